@@ -1,0 +1,160 @@
+"""The Python API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from verispec.generate import TokenCallback, generate_plain
+from verispec.models.hub import DEFAULT_MODEL
+from verispec.models.loader import load_model, load_tokenizer
+from verispec.request import Request
+from verispec.sampling import SamplingParams
+
+Prompt = Union[str, dict[str, Any], Sequence[int]]
+Message = dict[str, str]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's layout: one completion per request."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "auto",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.device = device or default_device()
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self.dtype = dtype
+        self.model, self.resolved = load_model(model, dtype=dtype, device=self.device, progress=progress)
+        self.tokenizer = load_tokenizer(self.resolved)
+        cfg = self.model.cfg
+        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+        self.cache = self.model.new_cache(self.max_model_len)
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = frozenset(eos)
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                self._check_ids(ids)
+                return prompt.get("prompt"), ids
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{self.resolved.directory} has no tokenizer files; pass token ids instead: "
+                    "{'prompt_token_ids': [...]}"
+                )
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            self._check_ids(ids)
+            return None, ids
+        raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def apply_chat_template(self, messages: list[Message]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        encoded = [self.encode(p) for p in prompts]  # validate everything before running anything
+        results = []
+        for text, ids in tqdm(encoded, desc="generate", disable=not use_tqdm or len(encoded) < 2):
+            req = Request(ids, params)
+            generate_plain(self.model, self.cache, req, self.eos_ids, on_tokens)
+            results.append(self._output(req, text))
+        return results
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        on_tokens: TokenCallback | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt": self.apply_chat_template(c)} for c in conversations]  # type: ignore[arg-type]
+        # the chat template already holds the special tokens
+        encoded = [
+            {"prompt": p["prompt"], "prompt_token_ids": self.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]}
+            for p in prompts
+        ]
+        return self.generate(encoded, sampling_params, use_tqdm, on_tokens)
+
+    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
+        stats = req.stats.as_dict()
+        stats["method"] = "none"
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_ids,
+            text=self.decode(req.output_ids),
+            token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason,
+            stats=stats,
+        )

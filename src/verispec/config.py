@@ -1,0 +1,122 @@
+"""Frozen configuration dataclasses, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3, Mistral)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama optionally)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    # one flag per layer: True where that layer attends only to the last `sliding_window` positions
+    sliding_layers: tuple[bool, ...] = field(default=())
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; verispec implements {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if len(self.sliding_layers) not in (0, self.num_layers):
+            raise ValueError("sliding_layers must give one flag per layer")
+        if any(self.sliding_layers) and not self.sliding_window:
+            raise ValueError("sliding layers need a positive sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of one layer, or None for full attention."""
+        if self.sliding_layers and self.sliding_layers[layer]:
+            return self.sliding_window
+        return None
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dictionary (transformers 4.x or 5.x layout)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type == "smollm2":
+            model_type = "llama"
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_layers = int(cfg["num_hidden_layers"])
+
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+
+        window = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types")
+        if layer_types:
+            sliding = tuple(t == "sliding_attention" for t in layer_types)
+        elif model_type == "mistral" and window:
+            sliding = (True,) * num_layers
+        elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
+            first_full = int(cfg.get("max_window_layers", num_layers))
+            sliding = tuple(i >= first_full for i in range(num_layers))
+        else:
+            sliding = (False,) * num_layers
+        if not any(sliding):
+            window = None
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type not in ("qwen2",) and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if window else None,
+            sliding_layers=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

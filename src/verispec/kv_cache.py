@@ -1,0 +1,101 @@
+"""Preallocated per-sequence KV cache with commit / rollback by length.
+
+Layout: one tensor per layer for keys and one for values, shape [num_slots, num_kv_heads, max_len, head_dim].
+A sequence owns one slot. The KV of position p lives at index p, so rolling back is only a length change:
+rejected positions stay in memory but are never read again, and the next block overwrites them.
+
+Per slot, two counters:
+  length  - committed positions, all of them visible to later forwards;
+  pending - positions written by the last forward but not yet committed (a draft block being verified).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """A sequence would grow past the cache's max_len."""
+
+
+@dataclass
+class SlotState:
+    length: int = 0
+    pending: int = 0
+    in_use: bool = False
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        num_slots: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if max_len <= 0 or num_slots <= 0:
+            raise ValueError("max_len and num_slots must be positive")
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.slots = [SlotState() for _ in range(num_slots)]
+
+    # ---- slot ownership -------------------------------------------------------------------------
+    def allocate(self) -> int:
+        for i, s in enumerate(self.slots):
+            if not s.in_use:
+                self.slots[i] = SlotState(in_use=True)
+                return i
+        raise CacheFullError(f"all {len(self.slots)} cache slots are in use")
+
+    def free(self, slot: int) -> None:
+        self.slots[slot] = SlotState()
+
+    def length(self, slot: int) -> int:
+        return self.slots[slot].length
+
+    def bytes_used(self) -> int:
+        per_pos = sum(t[0, :, 0].numel() * t.element_size() for t in self.k + self.v)
+        return per_pos * sum(s.length for s in self.slots)
+
+    # ---- the block protocol: reserve -> (forward writes) -> commit / rollback -------------------
+    def reserve(self, slot: int, n: int) -> int:
+        """Open a block of n new positions after the committed ones; returns its first position."""
+        s = self.slots[slot]
+        assert s.in_use, f"slot {slot} is not allocated"
+        assert s.pending == 0, f"slot {slot} has an unresolved block of {s.pending} positions; commit first"
+        if s.length + n > self.max_len:
+            raise CacheFullError(
+                f"sequence needs {s.length + n} positions but the cache holds {self.max_len}; "
+                "raise max_model_len or shorten the request"
+            )
+        s.pending = n
+        return s.length
+
+    def commit(self, slot: int, n: int) -> None:
+        """Keep the first n positions of the open block; the rest become invisible."""
+        s = self.slots[slot]
+        assert 0 <= n <= s.pending, f"commit {n} of a block of {s.pending}"
+        s.length += n
+        s.pending = 0
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget everything from position `length` on (committed or pending)."""
+        s = self.slots[slot]
+        assert 0 <= length <= s.length, f"rollback to {length} past committed length {s.length}"
+        s.length = length
+        s.pending = 0
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v: [num_kv_heads, n, head_dim] at positions start .. start+n-1 of the open block."""
+        s = self.slots[slot]
+        n = k.shape[1]
+        assert start == s.length and n == s.pending, "write must cover exactly the reserved block"
+        self.k[layer][slot, :, start : start + n] = k
+        self.v[layer][slot, :, start : start + n] = v

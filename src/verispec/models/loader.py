@@ -1,0 +1,167 @@
+"""Resolve a `--model` argument to weights, config and tokenizer, and build our decoder from them.
+
+Accepted forms:
+  - a known short name (the default model, `smollm2-135m-instruct`): fetched into the cache on first use;
+  - a `.gguf` file: dequantised through transformers' GGUF reader, converted once into a cached HF directory;
+  - a local Hugging Face directory (config.json + *.safetensors; tokenizer files optional);
+  - a hub id (org/name): downloaded through huggingface_hub, wherever a hub is reachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verispec.config import ModelConfig
+from verispec.models import hub
+from verispec.models.llama import LlamaModel, load_hf_state_dict
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user asked for
+    directory: Path  # an HF-layout directory: config.json, *.safetensors, maybe tokenizer files
+    gguf: Path | None = None  # the original GGUF file, when the directory was converted from one
+
+
+def _file_id(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
+    """Dequantise a GGUF file once into an HF directory in the cache; later calls reuse it."""
+    out = hub.cache_dir() / "converted" / f"{gguf_path.stem}-{_file_id(gguf_path)}"
+    if (out / "complete").exists():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    meta = load_gguf_checkpoint(str(gguf_path))
+    hf_cfg = AutoConfig.for_model(**meta["config"])
+    if hf_cfg.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"{gguf_path}: GGUF architecture {hf_cfg.model_type!r} is not a Llama-family decoder")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_cfg)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    hf_cfg.save_pretrained(tmp)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok.save_pretrained(tmp)
+    except Exception as e:  # a GGUF without tokenizer metadata still serves token-id prompts
+        log.warning("no tokenizer could be read from %s: %s", gguf_path, e)
+    (tmp / "complete").write_text(str(gguf_path))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve(model: str | os.PathLike, progress: bool = True) -> ResolvedModel:
+    spec = str(model)
+    known = hub.resolve_known(spec, progress=progress)
+    if known is not None:
+        return ResolvedModel(spec, convert_gguf(known, progress), known)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return ResolvedModel(spec, convert_gguf(path, progress), path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory")
+        return ResolvedModel(spec, path)
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise FileNotFoundError(
+            f"model {spec!r} is neither a known model ({', '.join(hub.KNOWN_MODELS)}), a .gguf file, "
+            "a Hugging Face directory, nor a hub id of the form org/name"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:
+        raise RuntimeError(
+            f"could not download {spec!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Without hub access, pass a local directory or a .gguf file with --model."
+        ) from e
+    return ResolvedModel(spec, Path(local))
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    cfg = json.loads((directory / "config.json").read_text())
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    return cfg
+
+
+def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights (other formats are not supported)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def load_model(
+    model: str | os.PathLike | ResolvedModel,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    max_len: int | None = None,
+    progress: bool = True,
+) -> tuple[LlamaModel, ResolvedModel]:
+    """Build our decoder with the checkpoint's weights, cast to `dtype` on `device`."""
+    resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
+    cfg = ModelConfig.from_hf(read_config(resolved.directory))
+    rope_len = max(cfg.max_position_embeddings, max_len or 0)
+    with torch.device("meta"):
+        net = LlamaModel(cfg, rope_len=1)
+    net = net.to_empty(device="cpu")
+    load_hf_state_dict(net, load_state_dict(resolved.directory))
+    net._init_rope(rope_len)
+    net = net.to(device=device, dtype=parse_dtype(dtype))
+    net.rope_cos = net.rope_cos.float()
+    net.rope_sin = net.rope_sin.float()
+    net.eval()
+    return net, resolved
+
+
+def load_tokenizer(resolved: ResolvedModel):
+    """The checkpoint's tokenizer, or None when the directory has none (token-id prompts still work)."""
+    d = resolved.directory
+    if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(d))

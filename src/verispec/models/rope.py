@@ -1,0 +1,45 @@
+"""Rotary position embedding tables for the RoPE variants Llama-family configs use."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verispec.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """inv_freq: [head_dim / 2], float32, for rope_type default | linear | llama3."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_type == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        low_wavelen = cfg.rope_original_max_positions / cfg.rope_low_freq_factor
+        high_wavelen = cfg.rope_original_max_positions / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = (cfg.rope_original_max_positions / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, head_dim] in float32 (the half-split layout of HF's rotate_half)."""
+    inv = inverse_frequencies(cfg).to(device)
+    t = torch.arange(max_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)  # [max_len, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

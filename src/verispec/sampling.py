@@ -1,0 +1,81 @@
+"""Sampling parameters (vLLM's names) and the pure functions that turn logits into tokens.
+
+The same `target_probs` is used by plain decoding and, later, by speculative verification, so both sample from
+exactly the same processed distribution (temperature, then top-k, then top-p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits: [M, V] -> probabilities [M, V] (float32) after temperature, top-k and top-p.
+
+    temperature must be > 0 here; greedy decoding takes the argmax of the raw logits instead.
+    """
+    assert temperature > 0, "greedy decoding does not build a distribution"
+    x = logits.float() / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [M, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [M, V]
+        sorted_p = sorted_x.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """probs: [M, V] -> tokens [M] drawn with the request's own generator (reproducible per seed)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits: [M, V] -> tokens [M]; greedy fast path at temperature 0."""
+    if params.greedy:
+        return logits.argmax(-1)
+    assert generator is not None
+    return sample_from(target_probs(logits, params.temperature, params.top_k, params.top_p), generator)
