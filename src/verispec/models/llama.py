@@ -37,8 +37,75 @@ class ForwardOutput:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # same arithmetic as HF: normalise in fp32, cast back, then scale
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # HF's arithmetic: normalise in fp32, round to the model dtype, then scale. On CPU these few small ops
+    # are cheaper than F.rms_norm, whose generic kernel costs more than the whole formula for one token.
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """q: [K, M, hd]; k, v: [K, L, hd]; blocked: [M, L] True where a key is hidden. Returns [K, M, hd].
+
+    On CUDA this is SDPA's fused kernel. On CPU an explicit softmax(q k^T / sqrt(hd)) v in the cache's dtype
+    (fp32 on CPU, where bf16 batched matmuls are slow), far cheaper than SDPA's CPU fallback for short blocks.
+    """
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if blocked is None else ~blocked)
+    scores = torch.bmm(q.to(k.dtype), k.transpose(1, 2)).mul_(q.shape[-1] ** -0.5)  # [K, M, L]
+    if blocked is not None:
+        scores.masked_fill_(blocked, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+def pre_attention(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    H: int,
+    K: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
+    n = x.shape[0]
+    qkv = F.linear(_rms_norm(x, norm_w, eps), qkv_w, qkv_b)  # [N, (H + 2K) hd]
+    hd = qkv.shape[1] // (H + 2 * K)
+    v = qkv[:, (H + K) * hd :].view(n, K, hd)
+    if q_norm is None:  # rotate q and k together: [N, H + K, hd]
+        qk = apply_rope(qkv[:, : (H + K) * hd].view(n, H + K, hd), cos, sin)
+        return qk[:, :H], qk[:, H:], v
+    q = _rms_norm(qkv[:, : H * hd].view(n, H, hd), q_norm, eps)
+    k = _rms_norm(qkv[:, H * hd : (H + K) * hd].view(n, K, hd), k_norm, eps)  # type: ignore[arg-type]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def post_attention(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o_w: torch.Tensor,
+    o_b: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    gate_up_b: torch.Tensor | None,
+    down_w: torch.Tensor,
+    down_b: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """x: [N, d] residual, attn: [N, H hd] -> the residual after the output projection and the SwiGLU MLP."""
+    x = _residual_linear(x, attn, o_w, o_b)
+    gate, up = F.linear(_rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)  # [N, I] each
+    return _residual_linear(x, F.silu(gate) * up, down_w, down_b)
+
+
+def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x + h W^T (+ b), in one addmm when there is no bias."""
+    if b is None:
+        return torch.addmm(x, h, w.t())
+    return x + F.linear(h, w, b)
 
 
 class Layer(nn.Module):
@@ -70,6 +137,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self._init_rope(rope_len or cfg.max_position_embeddings)
 
+
     def _init_rope(self, max_len: int) -> None:
         cos, sin = rope_tables(self.cfg, max_len, device=self.embed.device if not self.embed.is_meta else "meta")
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_len, head_dim] fp32
@@ -87,7 +155,9 @@ class LlamaModel(nn.Module):
         c = self.cfg
         if max_len > self.rope_cos.shape[0]:
             raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.rope_cos.shape[0]})")
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, self.dtype, self.device)
+        # CPU keeps K/V in fp32 whatever the weights' dtype: attention runs fastest there in fp32
+        kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, kv_dtype, self.device)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
@@ -120,29 +190,18 @@ class LlamaModel(nn.Module):
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         masks = [self._masks(s) for s in segments]
 
-        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_out, kv_out = H * hd, K * hd
+        H, K = cfg.num_heads, cfg.num_kv_heads
         x = F.embedding(input_ids, self.embed)  # [N, d]
         hidden: dict[int, torch.Tensor] = {}
+        eps = cfg.rms_norm_eps
+        pre, post = pre_attention, post_attention
         for li, layer in enumerate(self.layers):
             if li in capture_layers:
                 hidden[li] = x
-            h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, (H + 2K) hd]
-            q = qkv[:, :q_out].view(n_total, H, hd)
-            k = qkv[:, q_out : q_out + kv_out].view(n_total, K, hd)
-            v = qkv[:, q_out + kv_out :].view(n_total, K, hd)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = _rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            q, k, v = pre(x, layer.attn_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, cos, sin, H, K, eps)
             attn = self._attend(li, q, k, v, segments, masks, cache)  # [N, H hd]
-            x = x + F.linear(attn, layer.o, layer.o_bias)
-            h = _rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gu = F.linear(h, layer.gate_up, layer.gate_up_bias)  # [N, 2 I]
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            x = post(x, attn, layer.o, layer.o_bias, layer.mlp_norm, layer.gate_up, layer.gate_up_bias, layer.down,
+                     layer.down_bias, eps)
         if cfg.num_layers in capture_layers:
             hidden[cfg.num_layers] = x
 
@@ -162,7 +221,7 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def _masks(self, s: Segment) -> dict[int | None, tuple[int, torch.Tensor | None]]:
-        """Per window size (None = full): (first key position read, bool mask [length, keys] or None)."""
+        """Per window size (None = full): (first key position read, bool [length, keys] True = hidden, or None)."""
         out: dict[int | None, tuple[int, torch.Tensor | None]] = {}
         windows = {self.cfg.layer_window(i) for i in range(self.cfg.num_layers)}
         end = s.start + s.length
@@ -173,10 +232,10 @@ class LlamaModel(nn.Module):
                 out[w] = (lo, None)  # one query sees every key in [lo, end)
                 continue
             k_pos = torch.arange(lo, end, device=self.device).unsqueeze(0)  # [1, keys]
-            visible = k_pos <= q_pos
+            blocked = k_pos > q_pos
             if w is not None:
-                visible &= k_pos > q_pos - w
-            out[w] = (lo, visible)
+                blocked |= k_pos <= q_pos - w
+            out[w] = (lo, blocked)
         return out
 
     def _attend(
@@ -199,14 +258,14 @@ class LlamaModel(nn.Module):
         for s, m in zip(segments, masks):
             n, end = s.length, s.start + s.length
             cache.write(layer, s.slot, s.start, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
-            lo, mask = m[window]
+            lo, blocked = m[window]
             keys = cache.k[layer][s.slot, :, lo:end]  # [K, L, hd]
             vals = cache.v[layer][s.slot, :, lo:end]
             # group the G query heads that share one KV head: [n, H, hd] -> [K, G n, hd]
             qs = q[off : off + n].transpose(0, 1).reshape(K, G * n, hd)
-            if mask is not None:
-                mask = mask.repeat(G, 1)  # [G n, L], rows in the same (g, i) order as qs
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)  # [K, G n, hd]
+            if blocked is not None:
+                blocked = blocked.repeat(G, 1)  # [G n, L], rows in the same (g, i) order as qs
+            o = _attention(qs, keys, vals, blocked)  # [K, G n, hd]
             outs.append(o.reshape(H, n, hd).transpose(0, 1).reshape(n, H * hd))
             off += n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

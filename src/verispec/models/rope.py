@@ -30,16 +30,18 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, head_dim] in float32 (the half-split layout of HF's rotate_half)."""
+    """cos, signed sin: [max_len, head_dim] float32, in the half-split layout of HF's rotate_half.
+
+    The sine table carries rotate_half's sign: [-sin, sin], so that rotate_half(x) * sin == roll(x) * signed_sin.
+    """
     inv = inverse_frequencies(cfg).to(device)
     t = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)  # [max_len, head_dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
-    return emb.cos(), emb.sin()
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)  # [max_len, head_dim]
+    sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+    return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [n, heads, head_dim]; cos, sin: [n, 1, head_dim] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, head_dim]; cos, signed_sin: [n, 1, head_dim] in x's dtype. Three ops, no temporaries."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
