@@ -8,11 +8,16 @@ from typing import Any, Callable, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from verispec.generate import TokenCallback, generate_plain
+from verispec.check.state import check_kv
+from verispec.config import SpeculativeConfig
+from verispec.drafters import DrafterFactory
+from verispec.generate import TokenCallback, decode
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import load_model, load_tokenizer
 from verispec.request import Request
 from verispec.sampling import SamplingParams
+from verispec.spec_length import CostTable, SpecLengthController, profile_costs
+from verispec.verify import AcceptanceConfig
 
 Prompt = Union[str, dict[str, Any], Sequence[int]]
 Message = dict[str, str]
@@ -54,6 +59,8 @@ class LLM:
         device: str | None = None,
         max_model_len: int | None = None,
         progress: bool = True,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        check_state: bool = False,
     ) -> None:
         self.device = device or default_device()
         if dtype == "auto":
@@ -68,6 +75,20 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
+        self.spec = SpeculativeConfig.from_dict(speculative_config)
+        self.rule = AcceptanceConfig(self.spec.acceptance_rule, self.spec.threshold_single, self.spec.threshold_acc)
+        self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len)
+        self.check_state = check_state
+        self._costs: CostTable | None = None
+
+    @property
+    def costs(self) -> CostTable:
+        """Target forward time per block size, profiled on first use (a few seconds on CPU)."""
+        if self._costs is None:
+            k = self.spec.num_speculative_tokens
+            sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, k + 1} & set(range(1, k + 2)))
+            self._costs = profile_costs(self.model, sizes)
+        return self._costs
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -125,9 +146,7 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]  # validate everything before running anything
         results = []
         for text, ids in tqdm(encoded, desc="generate", disable=not use_tqdm or len(encoded) < 2):
-            req = Request(ids, params)
-            generate_plain(self.model, self.cache, req, self.eos_ids, on_tokens)
-            results.append(self._output(req, text))
+            results.append(self._output(self._run(Request(ids, params), on_tokens), text))
         return results
 
     def chat(
@@ -146,9 +165,28 @@ class LLM:
         ]
         return self.generate(encoded, sampling_params, use_tqdm, on_tokens)
 
+    def _run(self, req: Request, on_tokens: TokenCallback | None) -> Request:
+        drafter = self.drafters.new(req.params, len(req.prompt_ids))
+        controller = None
+        if drafter is not None:
+            costs = self.costs if self.spec.adaptive else CostTable.flat()
+            controller = SpecLengthController(self.spec.num_speculative_tokens, costs, adaptive=self.spec.adaptive)
+        check = self._state_check(drafter) if self.check_state else None
+        return decode(self.model, self.cache, req, self.eos_ids, drafter, controller, self.rule, on_tokens, check)
+
+    def _state_check(self, drafter):
+        def check(req: Request) -> None:
+            check_kv(self.model, self.cache, req.slot, req.all_ids[: req.num_computed], "target")
+            if hasattr(drafter, "committed_prefix"):
+                n = drafter.committed_prefix()
+                check_kv(drafter.model, drafter.cache, drafter.slot, req.all_ids[:n], "draft model")
+
+        return check
+
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
         stats = req.stats.as_dict()
-        stats["method"] = "none"
+        stats.update(req.spec.as_dict())
+        stats["method"] = self.spec.method
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt,

@@ -120,3 +120,44 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+SPEC_METHODS = ("none", "ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys, plus verispec's acceptance-rule and adaptivity switches."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model, for method draft_model
+    draft_dtype: str | None = None  # default: the target's dtype
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    adaptive: bool = True  # choose k per step from measured costs and acceptance (False: always k)
+    acceptance_rule: str = "exact"  # exact | threshold | typical (the last two are lossy)
+    threshold_single: float = 1.0
+    threshold_acc: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {SPEC_METHODS}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be an integer in 1..64")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs a draft model: speculative_config['model'] / --draft-model")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | "SpeculativeConfig" | None) -> "SpeculativeConfig":
+        if d is None:
+            return cls()
+        if isinstance(d, SpeculativeConfig):
+            return d
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**dict(d))

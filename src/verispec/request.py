@@ -19,7 +19,6 @@ class RequestStats:
     ttft_s: float = 0.0  # first token time - request start
     e2e_s: float = 0.0  # last token time - request start
     prefill_s: float = 0.0
-    steps: int = 0  # decode forwards after the prefill
 
     @property
     def tok_per_s(self) -> float:
@@ -39,9 +38,61 @@ class RequestStats:
             "ttft_s": round(self.ttft_s, 6),
             "e2e_s": round(self.e2e_s, 6),
             "prefill_s": round(self.prefill_s, 6),
-            "steps": self.steps,
             "tok_per_s": round(self.tok_per_s, 3),
             "decode_tok_per_s": round(self.decode_tok_per_s, 3),
+        }
+
+
+@dataclass
+class SpecStats:
+    """Per-step accounting of the decode loop (steps after the first token)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # [position] steps whose draft reached this position
+    accepted_at: list[int] = field(default_factory=list)  # [position] steps that accepted this position
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sched_s: float = 0.0
+    state_s: float = 0.0
+    lossy: bool = False
+
+    def record(self, drafted: int, accepted: int, *, draft_s: float, verify_s: float, sched_s: float,
+               state_s: float) -> None:
+        assert 0 <= accepted <= drafted
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.sched_s += sched_s
+        self.state_s += state_s
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau = 1 + accepted draft tokens / verification steps (the bonus or recovered token included)."""
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "num_draft_tokens": self.drafted,
+            "num_accepted_tokens": self.accepted,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "per_position_acceptance": [round(a / d, 4) for a, d in zip(self.accepted_at, self.drafted_at)],
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "sched_s": round(self.sched_s, 6),
+            "state_s": round(self.state_s, 6),
+            "lossy": self.lossy,
         }
 
 
@@ -57,6 +108,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length"
     start_time: float = field(default_factory=time.perf_counter)
     stats: RequestStats = field(default_factory=RequestStats)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -1,0 +1,1 @@
+"""Lossless checks: state oracles and output comparisons."""

@@ -1,0 +1,48 @@
+"""State oracle: recompute a request's KV from scratch and compare it with what the live cache holds.
+
+`--check-state` runs it after every decode step, for the target and for a drafter with a KV cache of its own.
+A mismatch means an accepted position was not written, a rejected one leaked into later steps, or positions
+fell out of step; the error names the layer and the first bad position.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from verispec.kv_cache import KVCache
+from verispec.models.llama import LlamaModel, Segment
+
+
+class StateMismatch(AssertionError):
+    pass
+
+
+def default_atol(model: LlamaModel) -> float:
+    return 1e-4 if model.dtype == torch.float32 else 5e-2
+
+
+def check_kv(model: LlamaModel, cache: KVCache, slot: int, tokens: Sequence[int], what: str = "target",
+             atol: float | None = None) -> None:
+    """The cache's committed KV of `slot` must equal a from-scratch forward over `tokens`."""
+    n = cache.length(slot)
+    if n != len(tokens):
+        raise StateMismatch(f"{what}: cache holds {n} committed positions but the request has {len(tokens)} tokens")
+    if n == 0:
+        return
+    atol = default_atol(model) if atol is None else atol
+    fresh = model.new_cache(n)
+    s = fresh.allocate()
+    model(torch.tensor(list(tokens), device=model.device), [Segment(s, 0, n)], fresh)
+    fresh.commit(s, n)
+    for layer in range(model.cfg.num_layers):
+        for name, live, ref in (("K", cache.k, fresh.k), ("V", cache.v, fresh.v)):
+            diff = (live[layer][slot, :, :n].float() - ref[layer][s, :, :n].float()).abs().amax(dim=(0, 2))  # [n]
+            bad = (diff > atol).nonzero()
+            if bad.numel():
+                p = int(bad[0, 0])
+                raise StateMismatch(
+                    f"{what}: {name} of layer {layer} differs at position {p} of {n} "
+                    f"(max abs diff {float(diff[p]):.3g} > {atol:g}); later bad positions: {bad[1:6, 0].tolist()}"
+                )

@@ -1,0 +1,46 @@
+"""Drafters behind one protocol (base.Draft / base.Drafter), created per request by a DrafterFactory."""
+
+from __future__ import annotations
+
+from verispec.config import SpeculativeConfig
+from verispec.drafters.base import Drafter
+from verispec.sampling import SamplingParams
+
+
+class DrafterFactory:
+    """Holds what drafters share across requests (a draft model and its cache, the suffix cache)."""
+
+    def __init__(self, cfg: SpeculativeConfig, target=None, target_tokenizer=None, max_len: int = 4096) -> None:
+        self.cfg = cfg
+        self.draft_model = None
+        self.draft_cache = None
+        self.suffix_cache = None
+        if cfg.method == "draft_model":
+            from verispec.drafters.draft_model import check_compatible
+            from verispec.models.loader import load_model, load_tokenizer
+
+            assert target is not None
+            dtype = cfg.draft_dtype or target.dtype
+            self.draft_model, resolved = load_model(cfg.model, dtype=dtype, device=target.device, progress=False)
+            check_compatible(target, self.draft_model, target_tokenizer, load_tokenizer(resolved))
+            self.draft_cache = self.draft_model.new_cache(min(max_len, self.draft_model.cfg.max_position_embeddings))
+        elif cfg.method == "suffix":
+            from verispec.drafters.suffix import SuffixCache
+
+            self.suffix_cache = SuffixCache()
+
+    def new(self, params: SamplingParams, prompt_len: int) -> Drafter | None:
+        m = self.cfg.method
+        if m == "none":
+            return None
+        if m == "ngram":
+            from verispec.drafters.ngram import NgramConfig, NgramDrafter
+
+            return NgramDrafter(NgramConfig(self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min))
+        if m == "suffix":
+            from verispec.drafters.suffix import SuffixDrafter
+
+            return SuffixDrafter(self.suffix_cache, prompt_len=prompt_len)
+        from verispec.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(self.draft_model, self.draft_cache, params)

@@ -1,0 +1,93 @@
+"""An independent smaller causal LM as drafter, with its own KV cache rolled back in step with the target."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from verispec.drafters.base import Draft
+from verispec.kv_cache import KVCache
+from verispec.models.llama import LlamaModel, Segment
+from verispec.sampling import SamplingParams, target_probs
+
+
+class IncompatibleDraftModel(ValueError):
+    pass
+
+
+def check_compatible(target: LlamaModel, draft: LlamaModel, target_tok=None, draft_tok=None) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's."""
+    tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
+    if target_tok is not None and draft_tok is not None:
+        if target_tok.get_vocab() != draft_tok.get_vocab():
+            raise IncompatibleDraftModel(
+                "the draft model's tokenizer differs from the target's: token ids would not mean the same text; "
+                "use a draft model of the same family (same tokenizer)"
+            )
+    elif tv != dv:
+        raise IncompatibleDraftModel(
+            f"the draft model's vocabulary has {dv} entries and the target's {tv}: token ids would not mean the "
+            "same text; use a draft model with the target's tokenizer"
+        )
+
+
+class DraftModelDrafter:
+    """Per request. The draft cache always holds a prefix of the request's tokens: context[:n_cached]."""
+
+    name = "draft_model"
+
+    def __init__(self, model: LlamaModel, cache: KVCache, params: SamplingParams) -> None:
+        self.model, self.cache, self.params = model, cache, params
+        self.slot = cache.allocate()
+        self.n_cached = 0
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=model.device)
+            self.generator.manual_seed(params.seed + 1 if params.seed is not None else torch.seed())
+        self._ctx_len = 0
+        self._fed_drafts = 0
+
+    def _step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens after the cached prefix; returns the last position's logits [V]."""
+        out = self.model(torch.tensor(tokens, device=self.model.device),
+                         [Segment(self.slot, self.n_cached, len(tokens))], self.cache)
+        self.cache.commit(self.slot, len(tokens))
+        self.n_cached += len(tokens)
+        return out.logits[0]
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        assert self.n_cached < len(context), "the draft cache is ahead of the request"
+        room = self.cache.max_len - len(context) - 1
+        k = min(k, room)
+        if k <= 0:
+            return Draft([])
+        logits = self._step(list(context[self.n_cached :]))
+        self._ctx_len = len(context)
+        tokens: list[int] = []
+        probs = []
+        for i in range(k):
+            if self.params.greedy:
+                t = int(logits.argmax())
+            else:
+                q = target_probs(logits[None], self.params.temperature, self.params.top_k, self.params.top_p)[0]
+                t = int(torch.multinomial(q, 1, generator=self.generator))
+                probs.append(q)
+            tokens.append(t)
+            if i + 1 < k:
+                logits = self._step([t])
+        self._fed_drafts = k - 1
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def observe(self, accepted: int) -> None:
+        """Keep the cached drafts the target accepted; the rest of the draft KV becomes invisible."""
+        keep = self._ctx_len + min(accepted, self._fed_drafts)
+        self.cache.rollback(self.slot, keep)
+        self.n_cached = keep
+        self._fed_drafts = 0
+
+    def committed_prefix(self) -> int:
+        return self.n_cached
+
+    def release(self) -> None:
+        self.cache.free(self.slot)

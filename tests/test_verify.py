@@ -1,0 +1,89 @@
+"""Verification rules against closed-form distributions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verispec.sampling import SamplingParams, target_probs
+from verispec.verify import AcceptanceConfig, residual, verify_greedy, verify_sampled
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit, bins with expected < 5 merged into one."""
+    from scipy.stats import chi2
+
+    n = counts.sum().item()
+    exp = probs * n
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]) if small.any() else counts
+    e = torch.cat([exp[~small], exp[small].sum(0, keepdim=True)]) if small.any() else exp
+    keep = e > 0
+    stat = ((obs[keep] - e[keep]) ** 2 / e[keep]).sum().item()
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+def test_greedy_accepts_matching_prefix_then_corrects():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 7, 2, 9]):
+        logits[i, t] = 5.0
+    v = verify_greedy(torch.tensor([3, 7, 5]), logits)
+    assert v.accepted == 2 and v.tokens == [3, 7, 2]
+    v = verify_greedy(torch.tensor([3, 7, 2]), logits)
+    assert v.accepted == 3 and v.tokens == [3, 7, 2, 9]  # bonus
+    v = verify_greedy(torch.tensor([], dtype=torch.long), logits[:1])
+    assert v.accepted == 0 and v.tokens == [3]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_first_emitted_token_follows_p(deterministic):
+    """Whatever q is, the first emitted token is distributed as p_1 (Leviathan et al., Theorem 1)."""
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    p = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(1, V, generator=g) * 1.5, -1)
+    counts = torch.zeros(V)
+    n = 20000
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=g) if not deterministic else torch.tensor([2])
+        v = verify_sampled(x, None if deterministic else q, p, g)
+        counts[v.tokens[0]] += 1
+    assert chi2_pvalue(counts, p[0]) > 1e-3
+
+
+def test_lossy_threshold_is_detected_and_labelled():
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.3, 0.3, 0.4]])
+    rule = AcceptanceConfig("threshold", threshold_single=0.25)
+    assert rule.lossy and not AcceptanceConfig().lossy
+    counts = torch.zeros(3)
+    for _ in range(5000):  # a deterministic draft of token 1 (p = 0.3 >= 0.25) is always accepted
+        counts[verify_sampled(torch.tensor([1]), None, p, g, rule).tokens[0]] += 1
+    assert counts[1] == 5000 and chi2_pvalue(counts, p[0]) < 1e-3
+
+
+def test_residual():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual(p, q, 1), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.allclose(residual(p, None, 0), torch.tensor([0.0, 0.6, 0.4]))
+    assert torch.allclose(residual(p, p, 0), p)
+
+
+def test_target_probs_top_k_top_p_closed_form():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert torch.allclose(target_probs(logits, 1.0, top_k=2), torch.tensor([[4 / 7, 3 / 7, 0, 0]]))
+    # top-p 0.75: 0.4 + 0.3 < 0.75, so 0.2 is needed too
+    assert torch.allclose(target_probs(logits, 1.0, top_p=0.75), torch.tensor([[4 / 9, 3 / 9, 2 / 9, 0]]))
+    t = target_probs(logits, 0.5)
+    expect = torch.tensor([0.16, 0.09, 0.04, 0.01])
+    assert torch.allclose(t, (expect / expect.sum())[None])
+    assert math.isclose(t.sum().item(), 1.0, rel_tol=1e-6)
+
+
+def test_sampling_params_validation():
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
