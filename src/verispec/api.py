@@ -75,11 +75,27 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
+        self._costs: CostTable | None = None
+        self.check_state = check_state
+        self._set_speculation(speculative_config)
+
+    def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self.rule = AcceptanceConfig(self.spec.acceptance_rule, self.spec.threshold_single, self.spec.threshold_acc)
         self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len)
-        self.check_state = check_state
-        self._costs: CostTable | None = None
+
+    def with_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None,
+                         check_state: bool | None = None) -> "LLM":
+        """Another LLM over the same target weights, tokenizer and KV cache, with another drafter."""
+        import copy
+
+        other = copy.copy(self)
+        other._set_speculation(speculative_config)
+        other.check_state = self.check_state if check_state is None else check_state
+        other._costs = self._costs
+        if other._costs is not None and other.spec.num_speculative_tokens + 1 > other._costs.sizes[-1]:
+            other._costs = None
+        return other
 
     @property
     def costs(self) -> CostTable:

@@ -1,0 +1,110 @@
+"""Single-stream speculative decoding on the shipped agent workloads: plain vs each drafter.
+
+Conditions (MEASURE.md): concurrency 1; metric = output tok/s of one stream (whole request, prefill included),
+plus tau, the step-time split and greedy identity; baseline = speculation off (method none), same target, same
+dtype, same prompts, in the same run. Methods run interleaved (the order rotates per prompt and repeat) and every
+ratio is method tok/s / plain tok/s on the same prompt and repeat; the table gives the median and the min..max.
+
+    python benchmarks/spec_single.py --dtypes bfloat16,float32 --limit 4 --max-tokens 128 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+from verispec import LLM, SamplingParams
+from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.check.identity import compare_greedy
+
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 8},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+}
+
+
+def run(args) -> dict:
+    results: dict = {}
+    for dtype in args.dtypes.split(","):
+        base = LLM(args.model, dtype=dtype, device="cpu", max_model_len=2048, progress=False)
+        engines = {"none": base}
+        for name in args.methods.split(","):
+            spec = dict(METHODS[name]) if name in METHODS else {"method": "draft_model", "model": name,
+                                                                  "num_speculative_tokens": 4}
+            engines[name] = base.with_speculation(spec)
+        for e in engines.values():
+            if e.spec.method != "none":
+                _ = e.costs  # profile once, outside the timed runs
+        for wl in args.workloads.split(","):
+            prompts = load_workload(wl, limit=args.limit)
+            rows: dict[str, list] = defaultdict(list)
+            for r in range(args.repeats):
+                for i, wp in enumerate(prompts):
+                    text = base.apply_chat_template(list(wp.messages))
+                    ids = base.tokenizer(text, add_special_tokens=False)["input_ids"]
+                    params = SamplingParams(temperature=0, max_tokens=min(wp.max_tokens, args.max_tokens))
+                    names = list(engines)
+                    shift = (r * len(prompts) + i) % len(names)
+                    got = {}
+                    for name in names[shift:] + names[:shift]:
+                        got[name] = engines[name].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                    plain = got["none"]
+                    for name, out in got.items():
+                        div = None if name == "none" else compare_greedy(base.model, ids, plain.token_ids,
+                                                                          out.token_ids)
+                        rows[name].append({
+                            "ratio": out.stats["tok_per_s"] / plain.stats["tok_per_s"],
+                            "tok_per_s": out.stats["tok_per_s"],
+                            "tau": out.stats["mean_acceptance_length"],
+                            "identical": div is None,
+                            "divergence": None if div is None else str(div),
+                            "split": {k: out.stats[k] for k in ("draft_s", "verify_s", "sched_s", "state_s")},
+                        })
+                    print(".", end="", flush=True, file=sys.stderr)
+            results[(dtype, wl)] = rows
+            print(file=sys.stderr)
+            report_block(dtype, wl, rows)
+    return results
+
+
+def report_block(dtype: str, wl: str, rows: dict) -> None:
+    for name, rs in rows.items():
+        ratios = [x["ratio"] for x in rs]
+        split = {k: sum(x["split"][k] for x in rs) for k in ("draft_s", "verify_s", "sched_s", "state_s")}
+        total = sum(split.values()) or 1.0
+        ident = sum(x["identical"] for x in rs) / len(rs)
+        print(f"| {dtype} | {wl} | {name} | {statistics.median(x['tok_per_s'] for x in rs):.1f} | "
+              f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | "
+              f"{statistics.median(x['tau'] for x in rs):.2f} | "
+              + " / ".join(f"{100 * v / total:.0f}" for v in split.values())
+              + f" | {100 * ident:.0f}% |", flush=True)
+        for x in rs:
+            if x["divergence"]:
+                print(f"    {name}: {x['divergence']}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--methods", default="ngram,suffix", help="ngram, suffix, or a draft model path")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", help="write raw per-run records here")
+    args = ap.parse_args()
+    print("| dtype | workload | method | tok/s (median) | speedup vs plain, median (min..max) | tau | "
+          "draft / verify / sched / state % | identical to plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    results = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{k[0]}/{k[1]}": v for k, v in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

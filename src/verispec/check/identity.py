@@ -1,0 +1,67 @@
+"""Greedy identity: is the speculative output token-identical to the plain one, and if not, is it a near-tie?
+
+At temperature 0 both paths take the target's argmax, but a block of several tokens is computed with other
+matmul shapes than one token at a time, so logits differ in the last bits (fp32 ~1e-5, bf16 far more). A
+divergence is a bug unless the target's top-1 / top-2 logit margin at that position is within that noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from verispec.models.llama import LlamaModel, Segment
+
+NEAR_TIE = 1e-3  # fp32 margin below which a divergence is attributed to arithmetic, not to the algorithm
+
+
+@dataclass(frozen=True)
+class Divergence:
+    position: int  # index into the output tokens
+    expected: int  # the plain path's token
+    got: int  # the speculative path's token
+    margin: float  # target's top-1 minus top-2 logit at that position (recomputed from scratch)
+
+    @property
+    def near_tie(self) -> bool:
+        return self.margin < NEAR_TIE
+
+    def __str__(self) -> str:
+        kind = "near-tie" if self.near_tie else "BUG"
+        return (f"first divergence at output position {self.position}: plain {self.expected}, speculative "
+                f"{self.got}; target top-1/top-2 margin {self.margin:.3g} ({kind})")
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token, the shorter length if one is a prefix of the other, else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def common_prefix_fraction(a: Sequence[int], b: Sequence[int]) -> float:
+    i = first_divergence(a, b)
+    longest = max(len(a), len(b))
+    return 1.0 if i is None or longest == 0 else i / longest
+
+
+def top2_margin(model: LlamaModel, tokens: Sequence[int]) -> float:
+    """The target's top-1 minus top-2 logit for the token after `tokens`, from a fresh forward."""
+    cache = model.new_cache(len(tokens))
+    slot = cache.allocate()
+    out = model(torch.tensor(list(tokens), device=model.device), [Segment(slot, 0, len(tokens))], cache)
+    top = out.logits[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def compare_greedy(model: LlamaModel, prompt: Sequence[int], plain: Sequence[int],
+                   speculative: Sequence[int]) -> Divergence | None:
+    i = first_divergence(plain, speculative)
+    if i is None:
+        return None
+    got = speculative[i] if i < len(speculative) else -1
+    exp = plain[i] if i < len(plain) else -1
+    return Divergence(i, exp, got, top2_margin(model, list(prompt) + list(plain[:i])))
