@@ -1,0 +1,1 @@
+"""Benchmark helpers: workload prompt sets and loaders."""

@@ -1,0 +1,108 @@
+"""Prompt lookup decoding: propose what followed the most recent earlier occurrence of the context's tail.
+
+For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens of the context are looked up among
+the n-grams that END STRICTLY BEFORE the end of the context (so the tail never matches itself; an occurrence may
+overlap the tail), the most recent such occurrence wins, and the up to k tokens that followed it are proposed
+(fewer where they run into the end of the context). Longer n-grams are preferred; no match gives an empty draft.
+
+`ngram_propose` is the plain O(len(context) * n) reference; `NgramDrafter` keeps an n-gram -> last start index
+updated as the context grows, so one step costs O(n_max^2 + k) amortised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from verispec.drafters.base import EMPTY, Draft
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """vLLM's names: the longest and the shortest n-gram of the context's tail to look up."""
+
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min ({self.prompt_lookup_min})"
+            )
+
+
+def ngram_propose(context: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Reference prompt lookup: up to k tokens following the most recent earlier occurrence of the tail.
+
+    Tries n = n_max .. n_min; for each, scans start positions i = L-n-1 down to 0 (an occurrence starting at
+    i ends at i+n <= L-1, strictly before the tail's end) and returns context[i+n : i+n+k] for the first hit.
+    """
+    toks = [int(t) for t in context]
+    length = len(toks)
+    if k <= 0:
+        return []
+    for n in range(n_max, n_min - 1, -1):
+        if length < n + 1:
+            continue
+        tail = toks[length - n :]
+        for i in range(length - n - 1, -1, -1):
+            if toks[i : i + n] == tail:
+                return toks[i + n : i + n + k]
+    return []
+
+
+class NgramDrafter:
+    """Per request; deterministic (probs=None, confidence=None).
+
+    Index invariant: `_index` maps every n-gram (n_min <= n <= n_max) that ends at an exclusive position
+    e <= `_done` to its latest start, and `_done == len(_tokens) - 1` after `_sync`, so a lookup of the tail
+    never returns the tail itself and always has at least one following token.
+    """
+
+    name = "ngram"
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config or NgramConfig()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tokens: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}
+        self._done = 0
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Append the tokens of `context` not seen yet and index the n-grams that now end before its last token."""
+        n = len(self._tokens)
+        if len(context) < n or (n and int(context[n - 1]) != self._tokens[-1]):
+            self._reset()  # not an extension of what we saw (should not happen within one request): start over
+            n = 0
+        self._tokens.extend(int(t) for t in context[n:])
+        toks, index = self._tokens, self._index
+        lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        for end in range(self._done + 1, len(toks)):
+            for size in range(lo, min(hi, end) + 1):
+                index[tuple(toks[end - size : end])] = end - size
+        self._done = max(self._done, len(toks) - 1)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to k tokens continuing `context`; EMPTY when no n-gram of the tail occurred before."""
+        self._sync(context)
+        if k <= 0:
+            return EMPTY
+        toks, length = self._tokens, len(self._tokens)
+        for n in range(self.config.prompt_lookup_max, self.config.prompt_lookup_min - 1, -1):
+            if length < n + 1:
+                continue
+            start = self._index.get(tuple(toks[length - n :]))
+            if start is not None:
+                return Draft(tokens=toks[start + n : start + n + k])
+        return EMPTY
+
+    def observe(self, accepted: int) -> None:
+        """Stateless between steps: the accepted tokens arrive with the next context."""
+
+    def release(self) -> None:
+        """Drop the per-request index."""
+        self._reset()
