@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TextIO
 
 from verispec.models import hub
 
@@ -34,6 +34,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def _spec_config(args: argparse.Namespace) -> dict[str, Any] | None:
     spec: dict[str, Any] = json.loads(args.speculative_config) if args.speculative_config else {}
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. '{\"method\": \"ngram\"}'")
     if args.method != "none":
         spec["method"] = args.method
     if args.num_speculative_tokens is not None:
@@ -84,26 +86,80 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_messages(arg: str) -> list[dict[str, str]]:
-    text = Path(arg[1:]).read_text() if arg.startswith("@") else arg
-    msgs = json.loads(text)
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-        raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
+    """--messages: a JSON list, or @file / a path to a file holding one."""
+    path = Path(arg[1:]) if arg.startswith("@") else Path(arg)
+    text = path.read_text() if arg.startswith("@") or (not arg.lstrip().startswith("[") and path.is_file()) else arg
+    try:
+        msgs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--messages is not valid JSON ({e}); give a JSON list or @file.json") from None
+    if not isinstance(msgs, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+    ):
+        raise ValueError("--messages must be a JSON list of {\"role\": ..., \"content\": ...} string objects")
     return msgs
 
 
+def _parse_ids(arg: str) -> list[int]:
+    try:
+        ids = [int(t) for t in arg.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError("--prompt-token-ids takes comma-separated integers, e.g. 1,2,3") from None
+    if not ids:
+        raise ValueError("--prompt-token-ids is empty")
+    return ids
+
+
+def _build_prompt(args: argparse.Namespace) -> tuple[str, Any]:
+    """('chat', messages) or ('generate', prompt) from the flags, validated before any model is loaded."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.messages or args.chat:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        msgs += _read_messages(args.messages) if args.messages else []
+        if args.chat:
+            if prompt is None:
+                raise ValueError("--chat needs a PROMPT (or '-' to read stdin)")
+            msgs.append({"role": "user", "content": prompt})
+        if not msgs:
+            raise ValueError("--messages is an empty list")
+        return "chat", msgs
+    if args.system:
+        raise ValueError("--system needs --chat or --messages")
+    if args.prompt_token_ids:
+        return "generate", {"prompt_token_ids": _parse_ids(args.prompt_token_ids)}
+    if prompt is None:
+        raise ValueError("give a PROMPT, --messages or --prompt-token-ids")
+    return "generate", prompt
+
+
 class TextStreamer:
-    """Prints the decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
+    """Prints the decoded text as tokens arrive, holding back incomplete UTF-8 sequences.
 
-    def __init__(self, llm, out=sys.stdout) -> None:
-        self.llm, self.out, self.printed = llm, out, 0
+    Without a tokenizer it prints the token ids instead.
+    """
 
-    def __call__(self, req, tokens: list[int]) -> None:
-        text = self.llm.decode(req.output_ids)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed :])
+    def __init__(self, llm: Any, out: TextIO | None = None) -> None:
+        self.llm, self.out, self.printed = llm, out or sys.stdout, 0
+
+    def __call__(self, req: Any, tokens: list[int]) -> None:
+        if self.llm.tokenizer is None:
+            self.out.write("".join(f"{t} " for t in tokens))
+        else:
+            text = self.llm.decode(req.output_ids)
+            if text.endswith("\ufffd"):
+                return
+            self.out.write(text[self.printed :])
+            self.printed = len(text)
         self.out.flush()
-        self.printed = len(text)
+
+
+def _stats_line(out: Any) -> str:
+    s = out.stats
+    extra = ""
+    if s.get("method", "none") != "none":
+        extra = f", {s['method']}: tau {s['mean_acceptance_length']:.2f}, acceptance {s['acceptance_rate']:.2f}"
+    return (f"-- {s['output_tokens']} tokens, TTFT {s['ttft_s']:.2f} s, {s['tok_per_s']:.1f} tok/s "
+            f"(decode {s['decode_tok_per_s']:.1f} tok/s){extra}, finish: {out.finish_reason}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -112,37 +168,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     spec = _spec_config(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if prompt is None and not args.messages and not args.prompt_token_ids:
-        raise ValueError("give a PROMPT, --messages or --prompt-token-ids")
+    kind, prompt = _build_prompt(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               speculative_config=spec, check_state=args.check_state)
     streamer = None if args.json else TextStreamer(llm)
-    if args.messages or args.chat:
-        msgs = _read_messages(args.messages) if args.messages else []
-        if args.chat:
-            if args.system:
-                msgs.append({"role": "system", "content": args.system})
-            msgs.append({"role": "user", "content": prompt})
-        out = llm.chat(msgs, params, on_tokens=streamer)[0]
-    elif args.prompt_token_ids:
-        try:
-            ids = [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError("--prompt-token-ids takes comma-separated integers, e.g. 1,2,3") from None
-        out = llm.generate({"prompt_token_ids": ids}, params, on_tokens=streamer)[0]
-    else:
-        out = llm.generate(prompt, params, on_tokens=streamer)[0]
+    run = llm.chat if kind == "chat" else llm.generate
+    out = run(prompt, params, use_tqdm=False, on_tokens=streamer)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
                           "finish_reason": out.finish_reason, "stats": out.stats}))
     else:
-        s = out.stats
-        extra = ""
-        if s["method"] != "none":
-            extra = f", {s['method']}: tau {s['mean_acceptance_length']:.2f}, acceptance {s['acceptance_rate']:.2f}"
-        print(f"\n-- {s['output_tokens']} tokens, TTFT {s['ttft_s']:.2f} s, {s['tok_per_s']:.1f} tok/s "
-              f"(decode {s['decode_tok_per_s']:.1f} tok/s){extra}, finish: {out.finish_reason}", file=sys.stderr)
+        print(flush=True)
+        print(_stats_line(out), file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,278 @@
+"""Suffix-trie drafter after SuffixDecoding (arXiv 2411.04975): continue the context's tail the way it continued
+before, in this request's own tokens (a per-request trie, extended by O(depth) per token) or in the outputs of
+earlier requests (the shared `SuffixCache`, oldest evicted beyond max_cached_requests).
+
+Each trie matches the longest tail that occurred before WITH a next token, then walks to the most frequent next
+token while the running product of empirical probabilities (child count / continued occurrences of the node)
+stays >= min_token_prob, re-matching the extended tail where the walk hits the depth limit. Drafts are capped at
+min(k, max(1, int(max_spec_factor * match_length))); the trie with the larger expected accepted length (sum of
+the running products, returned as confidences) wins. The request trie holds up to max_tree_depth nodes per token;
+the shared trie keeps a string seen once as a lazy leaf (a pointer into its output) instead of a chain of nodes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from verispec.drafters.base import EMPTY, Draft
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Trie depth (longest matched tail + continuation), draft cap per matched token, pruning, cache size."""
+
+    max_tree_depth: int = 24
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    max_cached_requests: int = 1000
+
+    def __post_init__(self) -> None:
+        for bad, rule in ((self.max_tree_depth < 2, "max_tree_depth >= 2"), (self.max_spec_factor <= 0,
+                          "max_spec_factor > 0"), (not 0.0 <= self.min_token_prob <= 1.0, "0 <= min_token_prob <= 1"),
+                          (self.max_cached_requests < 0, "max_cached_requests >= 0")):
+            if bad:
+                raise ValueError(f"SuffixConfig needs {rule}: {self}")
+
+
+class _Node:
+    """The string spelled by the path from the root. count: its occurrences; total: occurrences followed by a next
+    token (= sum of the children's counts); best: token of the most frequent child, None while unknown.
+    A lazy leaf (seq is not None, count 1) keeps its one occurrence's continuation as seq[pos:] instead of nodes."""
+
+    __slots__ = ("count", "total", "children", "best", "seq", "pos")
+
+    def __init__(self) -> None:
+        self.count = self.total = self.pos = 0
+        self.children: dict[int, _Node] | None = None
+        self.best: int | None = None
+        self.seq: list[int] | None = None
+
+    def bump(self, x: int) -> _Node:
+        """Count one more occurrence of this string followed by x; returns the child for x."""
+        ch = self.children
+        if ch is None:
+            ch = self.children = {}
+        child = ch.get(x)
+        if child is None:
+            child = ch[x] = _Node()
+        child.count += 1
+        self.total += 1
+        b = self.best
+        if (b is None and len(ch) == 1) or (b is not None and child.count >= ch[b].count):
+            self.best = x  # ties go to the most recent
+        return child
+
+    def best_child(self) -> int | None:
+        """The most frequent next token (recomputed after an eviction made it unknown)."""
+        if self.best is None and self.children:
+            ch = self.children
+            self.best = max(ch, key=lambda t: ch[t].count)
+        return self.best
+
+
+_Cursor = tuple[_Node, int]  # (node, tokens consumed inside a lazy leaf's continuation)
+
+
+class _Trie:
+    """Suffix trie of bounded depth: every substring of length <= depth of the inserted sequences."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+        self.active: list[_Node] = [self.root]  # for extend(): nodes of the current tail's suffixes, by length
+
+    def extend(self, x: int) -> None:
+        """Append x to the one growing sequence: count every suffix ending at x (no lazy leaves)."""
+        nxt = [self.root]
+        for node in self.active:
+            child = node.bump(x)
+            if len(nxt) < self.depth:
+                nxt.append(child)
+        self.active = nxt
+
+    def add(self, toks: list[int]) -> None:
+        """Insert one whole sequence; a path stops at its first new node, which becomes a lazy leaf."""
+        n = len(toks)
+        for s in range(n):
+            node = self.root
+            for i in range(s, min(n, s + self.depth)):
+                child = node.bump(toks[i])
+                if child.count == 1:
+                    child.seq, child.pos = toks, i + 1
+                    break
+                if child.seq is not None:  # a second occurrence: materialise the first one's next step
+                    seq, p = child.seq, child.pos
+                    child.seq = None
+                    if p < len(seq) and i + 1 - s < self.depth:
+                        leaf = child.bump(seq[p])
+                        leaf.seq, leaf.pos = seq, p + 1
+                node = child
+
+    def remove(self, toks: list[int]) -> None:
+        """Undo add(toks): uncount its paths; a node whose count reaches 0 goes with its subtree."""
+        n = len(toks)
+        for s in range(n):
+            node = self.root
+            for i in range(s, min(n, s + self.depth)):
+                x = toks[i]
+                assert node.children is not None
+                child = node.children[x]
+                node.total -= 1
+                child.count -= 1
+                if node.best == x:
+                    node.best = None
+                if child.count == 0:
+                    del node.children[x]
+                    break
+                node = child
+
+    def locate(self, toks: Sequence[int]) -> _Cursor | None:
+        """The position reached by spelling toks from the root, or None if that string never occurred."""
+        node, extra = self.root, 0
+        for x in toks:
+            if node.seq is not None:
+                j = node.pos + extra
+                if j >= len(node.seq) or node.seq[j] != x:
+                    return None
+                extra += 1
+            else:
+                child = node.children.get(x) if node.children else None
+                if child is None:
+                    return None
+                node = child
+        return node, extra
+
+    def step(self, cur: _Cursor, depth: int) -> tuple[int, float, _Cursor] | None:
+        """The most frequent next token after the string at cur (of length depth), its probability, new cursor."""
+        node, extra = cur
+        if depth >= self.depth:
+            return None
+        if node.seq is not None:
+            j = node.pos + extra
+            return (node.seq[j], 1.0, (node, extra + 1)) if j < len(node.seq) else None
+        b = node.best_child()
+        if b is None or not node.total:
+            return None
+        assert node.children is not None
+        child = node.children[b]
+        return b, child.count / node.total, (child, 0)
+
+    def match(self, tail: Sequence[int]) -> tuple[int, _Cursor | None]:
+        """The longest suffix of tail (<= depth-1 tokens) that occurred followed by a next token; binary search
+        (a longer such suffix implies every shorter one)."""
+        lo, hi = 1, min(len(tail), self.depth - 1)
+        found: tuple[int, _Cursor | None] = (0, None)
+        mid = hi  # probe the longest first: in repetitive text it usually continues
+        while lo <= hi:
+            cur = self.locate(tail[len(tail) - mid :])
+            if cur is not None and self.step(cur, mid) is not None:
+                found, lo = (mid, cur), mid + 1
+            else:
+                hi = mid - 1
+            mid = (lo + hi) // 2
+        return found
+
+    def speculate(self, tail: list[int], k: int, cfg: SuffixConfig) -> tuple[list[int], list[float]]:
+        """Greedy walk from the longest match; tokens and running-product confidences."""
+        m, cur = self.match(tail)
+        if cur is None:
+            return [], []
+        limit = min(k, max(1, int(cfg.max_spec_factor * m)))
+        seq, toks, confs, prod, depth = list(tail), [], [], 1.0, m
+        while len(toks) < limit:
+            st = self.step(cur, depth)
+            if st is None:  # depth limit or a string that never continued: re-match the extended tail
+                depth, cur = self.match(seq)
+                if cur is None:
+                    break
+                continue
+            x, p, cur = st
+            prod *= p
+            if prod < cfg.min_token_prob:
+                break
+            toks.append(x)
+            confs.append(prod)
+            seq.append(x)
+            depth += 1
+        return toks, confs
+
+
+class SuffixCache:
+    """Shared across requests: a suffix trie over the outputs of the last max_cached_requests finished ones."""
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = config or SuffixConfig()
+        self.trie = _Trie(self.config.max_tree_depth)
+        self._outputs: deque[list[int]] = deque()
+
+    def add_output(self, tokens: Sequence[int]) -> None:
+        """Remember one finished request's output; evicts the oldest beyond max_cached_requests."""
+        toks = [int(t) for t in tokens]
+        if not toks or self.config.max_cached_requests == 0:
+            return
+        self.trie.add(toks)
+        self._outputs.append(toks)
+        while len(self._outputs) > self.config.max_cached_requests:
+            self.trie.remove(self._outputs.popleft())
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+
+class SuffixDrafter:
+    """Per request; deterministic (probs=None) with per-position confidences. prompt_len (default: the length of
+    the first context proposed for) separates the output that release() hands to the shared cache."""
+
+    name = "suffix"
+
+    def __init__(self, cache: SuffixCache, config: SuffixConfig | None = None, prompt_len: int | None = None) -> None:
+        self.cache = cache
+        self.config = config or cache.config
+        self.prompt_len = prompt_len
+        self._trie = _Trie(self.config.max_tree_depth)
+        self._tokens: list[int] = []
+        self._last: list[int] = []  # the latest draft, and the part of it the target accepted
+        self._accepted: list[int] = []
+        self._released = False
+
+    def _sync(self, context: Sequence[int]) -> None:
+        n = len(self._tokens)
+        if len(context) < n or (n and int(context[n - 1]) != self._tokens[-1]):
+            self._trie, self._tokens, n = _Trie(self.config.max_tree_depth), [], 0  # not an extension: rebuild
+        for t in context[n:]:
+            self._tokens.append(int(t))
+            self._trie.extend(self._tokens[-1])
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to k tokens from whichever trie (this request's, the shared one) promises more; EMPTY if no match."""
+        if self.prompt_len is None:
+            self.prompt_len = len(context)
+        self._sync(context)
+        self._last, self._accepted = [], []
+        if k <= 0 or not self._tokens:
+            return EMPTY
+        tail = self._tokens[-(max(self.config.max_tree_depth, self.cache.config.max_tree_depth) - 1) :]
+        best: tuple[list[int], list[float]] = ([], [])
+        for trie in (self._trie, self.cache.trie):
+            toks, confs = trie.speculate(tail, k, self.config)
+            if sum(confs) > sum(best[1]):
+                best = (toks, confs)
+        if not best[0]:
+            return EMPTY
+        self._last = best[0]
+        return Draft(tokens=list(best[0]), confidence=list(best[1]))
+
+    def observe(self, accepted: int) -> None:
+        """Remember the accepted draft tokens, so that release() can include them if no propose follows."""
+        self._accepted = self._last[: max(0, accepted)]
+
+    def release(self) -> None:
+        """Hand this request's output (context beyond the prompt, plus accepted drafts) to the shared cache."""
+        if self._released:
+            return
+        self._released = True
+        output = self._tokens[self.prompt_len or 0 :] + self._accepted
+        self.cache.add_output(output)
+        self._trie, self._tokens, self._last, self._accepted = _Trie(self.config.max_tree_depth), [], [], []
