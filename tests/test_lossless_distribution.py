@@ -36,9 +36,10 @@ def _tiny(path, seed, scale):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = _tiny(tmp_path_factory.mktemp("target"), 0, 40.0)
-    _tiny(tmp_path_factory.mktemp("draft"), 1, 40.0)
-    return target, tmp_path_factory.getbasetemp()
+    target_dir, draft_dir = tmp_path_factory.mktemp("dist-target"), tmp_path_factory.mktemp("dist-draft")
+    target = _tiny(target_dir, 0, 40.0)
+    _tiny(draft_dir, 1, 40.0)
+    return target, (target_dir, draft_dir)
 
 
 def exact_distribution(hf) -> torch.Tensor:
@@ -70,10 +71,11 @@ def sample_counts(llm: LLM) -> tuple[torch.Tensor, float, bool]:
     return counts, accepted / drafted, lossy
 
 
-def _llm(base, **rule):
-    spec = {"method": "draft_model", "model": str(base / "draft0"), "num_speculative_tokens": 2, "adaptive": False}
+def _llm(dirs, **rule):
+    target_dir, draft_dir = dirs
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2, "adaptive": False}
     spec.update(rule)
-    return LLM(str(base / "target0"), dtype="float32", device="cpu", speculative_config=spec)
+    return LLM(str(target_dir), dtype="float32", device="cpu", speculative_config=spec)
 
 
 def test_speculative_sampling_matches_exact_distribution(models):

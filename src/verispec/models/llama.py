@@ -181,9 +181,17 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         n_total = input_ids.shape[0]
         assert sum(s.length for s in segments) == n_total, "segments must cover input_ids exactly"
-        for s in segments:
-            start = cache.reserve(s.slot, s.length)
-            assert start == s.start, f"slot {s.slot}: block starts at {s.start} but cache length is {start}"
+        reserved: list[Segment] = []
+        try:
+            for s in segments:
+                assert cache.length(s.slot) == s.start, f"slot {s.slot}: block starts at {s.start} but cache " \
+                    f"length is {cache.length(s.slot)}"
+                cache.reserve(s.slot, s.length)
+                reserved.append(s)
+        except BaseException:  # all or nothing: a failed call leaves no half-reserved block behind
+            for s in reserved:
+                cache.rollback(s.slot, s.start)
+            raise
 
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # [N, 1, head_dim]

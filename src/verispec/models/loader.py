@@ -100,7 +100,7 @@ def resolve(model: str | os.PathLike, progress: bool = True) -> ResolvedModel:
         return ResolvedModel(spec, path)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise FileNotFoundError(
-            f"model {spec!r} is neither a known model ({', '.join(hub.KNOWN_MODELS)}), a .gguf file, "
+            f"model {spec!r} is neither a known model ({', '.join(hub.REGISTRY)}), a .gguf file, "
             "a Hugging Face directory, nor a hub id of the form org/name"
         )
     from huggingface_hub import snapshot_download
@@ -108,7 +108,7 @@ def resolve(model: str | os.PathLike, progress: bool = True) -> ResolvedModel:
     try:
         local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:
-        raise RuntimeError(
+        raise FileNotFoundError(
             f"could not download {spec!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
             "Without hub access, pass a local directory or a .gguf file with --model."
         ) from e
