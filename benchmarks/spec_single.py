@@ -42,6 +42,10 @@ def run(args) -> dict:
             prompts = load_workload(wl, limit=args.limit)
             rows: dict[str, list] = defaultdict(list)
             for r in range(args.repeats):
+                # the suffix cache learns from earlier outputs; a repeat of the same greedy prompt would find its own
+                # output there and overstate the gain, so each repeat starts with an empty shared cache
+                for e in engines.values():
+                    e.drafters.reset_shared()
                 for i, wp in enumerate(prompts):
                     text = base.apply_chat_template(list(wp.messages))
                     ids = base.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -24,7 +24,11 @@ class DrafterFactory:
             self.draft_model, resolved = load_model(cfg.model, dtype=dtype, device=target.device, progress=False)
             check_compatible(target, self.draft_model, target_tokenizer, load_tokenizer(resolved))
             self.draft_cache = self.draft_model.new_cache(min(max_len, self.draft_model.cfg.max_position_embeddings))
-        elif cfg.method == "suffix":
+        self.reset_shared()
+
+    def reset_shared(self) -> None:
+        """Forget what drafters learned across requests (the suffix cache of earlier outputs)."""
+        if self.cfg.method == "suffix":
             from verispec.drafters.suffix import SuffixCache
 
             self.suffix_cache = SuffixCache()
