@@ -68,3 +68,12 @@ def test_incompatible_draft_vocabulary_is_refused(tiny_dirs, tmp_path):
                                                  num_key_value_heads=2)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(tiny_dirs["llama"], speculative_config={"method": "draft_model", "model": str(tmp_path)})
+
+
+def test_too_long_request_frees_the_draft_slot(tiny_dirs):
+    llm = LLM(tiny_dirs["llama"], dtype="float32", max_model_len=32,
+              speculative_config={"method": "draft_model", "model": tiny_dirs["draft"]})
+    for _ in range(2):  # the second call would find the draft cache's only slot taken if the first leaked it
+        with pytest.raises(ValueError, match="exceeds the context"):
+            llm.generate({"prompt_token_ids": [1] * 30}, SamplingParams(max_tokens=8))
+    assert llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids

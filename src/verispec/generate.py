@@ -44,14 +44,16 @@ def decode(
     params = req.params
     total = len(req.prompt_ids) + params.max_tokens
     if total > cache.max_len:
+        if drafter is not None:
+            drafter.release()
         raise ValueError(
             f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
             f"the context of {cache.max_len} tokens; shorten the prompt or lower max_tokens"
         )
     gen = None if params.greedy else params.make_generator(model.device)
-    req.slot = cache.allocate()
     spec = req.spec
     spec.lossy = rule.lossy and not params.greedy
+    req.slot = cache.allocate()
     try:
         prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=model.device)
         t0 = time.perf_counter()
