@@ -1,0 +1,40 @@
+"""The speculation-length rule against its closed form."""
+
+from __future__ import annotations
+
+import math
+
+from verispec.spec_length import CostTable, SpecLengthController, expected_tokens
+
+
+def test_expected_tokens_closed_form():
+    assert math.isclose(expected_tokens(0.5, 3), 1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = CostTable((1, 2, 4), (1.0, 1.5, 2.5))
+    assert t(1) == 1.0 and t(3) == 2.0 and t(6) == 3.5
+
+
+def test_turns_speculation_off_when_drafts_fail_and_back_on_when_they_match():
+    costs = CostTable((1, 2, 9), (1.0, 1.3, 2.0))  # verifying 9 tokens costs 2 plain steps
+    c = SpecLengthController(max_k=8, costs=costs)
+    assert c.choose(8) > 0  # the prior makes a first try worthwhile
+    for _ in range(10):
+        c.update(drafted=4, accepted=0, draft_s=0.0)
+    picks = [c.choose(8) for _ in range(32)]
+    assert picks.count(0) >= 30 and max(picks) == 1  # plain, except for rare one-token probes
+    for _ in range(20):
+        c.update(drafted=8, accepted=8, draft_s=0.0)
+    assert c.choose(8) == 8
+    assert c.choose(3) == 3  # never more than the request has room for
+
+
+def test_expensive_verification_needs_high_acceptance():
+    steep = CostTable((1, 2, 9), (1.0, 2.0, 9.0))  # every extra token costs a full step: never worth it
+    c = SpecLengthController(max_k=8, costs=steep, prior=0.9)
+    assert c.choose(8) == 0
+    fixed = SpecLengthController(max_k=5, costs=steep, adaptive=False)
+    assert fixed.choose(8) == 5
