@@ -25,7 +25,7 @@ def test_turns_speculation_off_when_drafts_fail_and_back_on_when_they_match():
     for _ in range(10):
         c.update(drafted=4, accepted=0, draft_s=0.0)
     picks = [c.choose(8) for _ in range(32)]
-    assert picks.count(0) >= 30 and max(picks) == 1  # plain, except for rare one-token probes
+    assert picks.count(0) >= 28 and max(picks) <= 2  # plain, except for rare short probes
     for _ in range(20):
         c.update(drafted=8, accepted=8, draft_s=0.0)
     assert c.choose(8) == 8

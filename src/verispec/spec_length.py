@@ -77,7 +77,7 @@ class SpecLengthController:
     adaptive: bool = True
     prior: float = 0.6  # acceptance assumed before any evidence
     decay: float = 0.8  # weight of the old estimate at each step
-    probe_every: int = 16  # after this many plain steps, try a one-token draft again
+    probe_every: int = 8  # after this many plain steps, try a short draft again
     draft_cost_per_token: float = 0.0  # seconds, measured online
     accept_rate: float = field(init=False)
     _plain_steps: int = field(default=0, init=False)
@@ -99,7 +99,7 @@ class SpecLengthController:
             self._plain_steps += 1
             if self._plain_steps >= self.probe_every:
                 self._plain_steps = 0
-                return 1
+                return min(2, top)
         return best_k
 
     def update(self, drafted: int, accepted: int, draft_s: float) -> None:
