@@ -136,6 +136,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self._init_rope(rope_len or cfg.max_position_embeddings)
+        self._windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}  # None = full attention
 
 
     def _init_rope(self, max_len: int) -> None:
@@ -231,10 +232,9 @@ class LlamaModel(nn.Module):
     def _masks(self, s: Segment) -> dict[int | None, tuple[int, torch.Tensor | None]]:
         """Per window size (None = full): (first key position read, bool [length, keys] True = hidden, or None)."""
         out: dict[int | None, tuple[int, torch.Tensor | None]] = {}
-        windows = {self.cfg.layer_window(i) for i in range(self.cfg.num_layers)}
         end = s.start + s.length
         q_pos = torch.arange(s.start, end, device=self.device).unsqueeze(1)  # [n, 1]
-        for w in windows:
+        for w in self._windows:
             lo = 0 if w is None else max(0, s.start - w + 1)
             if s.length == 1:
                 out[w] = (lo, None)  # one query sees every key in [lo, end)
