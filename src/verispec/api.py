@@ -11,12 +11,13 @@ from tqdm.auto import tqdm
 from verispec.check.state import check_kv
 from verispec.config import SpeculativeConfig
 from verispec.drafters import DrafterFactory
-from verispec.generate import TokenCallback, decode
+from verispec.engine.core import Engine, EngineConfig, TokenCallback
+from verispec.engine.scheduler import make_policy
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import load_model, load_tokenizer
 from verispec.request import Request
 from verispec.sampling import SamplingParams
-from verispec.spec_length import CostTable, SpecLengthController, profile_costs
+from verispec.spec_length import CostTable, StepCosts, profile_costs, profile_step_costs
 from verispec.verify import AcceptanceConfig
 
 Prompt = Union[str, dict[str, Any], Sequence[int]]
@@ -61,6 +62,8 @@ class LLM:
         progress: bool = True,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         check_state: bool = False,
+        max_num_seqs: int = 4,
+        scheduler: str | None = None,
     ) -> None:
         self.device = device or default_device()
         if dtype == "auto":
@@ -70,19 +73,23 @@ class LLM:
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
         self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
-        self.cache = self.model.new_cache(self.max_model_len)
+        self.max_num_seqs = max_num_seqs
+        self.scheduler = scheduler
+        self.cache = self.model.new_cache(self.max_model_len, num_slots=max_num_seqs)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
-        self._costs: CostTable | None = None
+        self._costs: StepCosts | None = None
         self.check_state = check_state
+        self._engine: Engine | None = None
         self._set_speculation(speculative_config)
 
     def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
         self.spec = SpeculativeConfig.from_dict(speculative_config)
         self.rule = AcceptanceConfig(self.spec.acceptance_rule, self.spec.threshold_single, self.spec.threshold_acc)
-        self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len)
+        self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len, self.max_num_seqs)
+        self._engine = None
 
     def with_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None,
                          check_state: bool | None = None) -> "LLM":
@@ -93,18 +100,59 @@ class LLM:
         other._set_speculation(speculative_config)
         other.check_state = self.check_state if check_state is None else check_state
         other._costs = self._costs
-        if other._costs is not None and other.spec.num_speculative_tokens + 1 > other._costs.sizes[-1]:
+        if other._costs is not None and other._max_step_tokens() > other._costs.table.sizes[-1]:
             other._costs = None
         return other
 
+    def _max_step_tokens(self) -> int:
+        return self.max_num_seqs * (self.spec.num_speculative_tokens + 1)
+
     @property
-    def costs(self) -> CostTable:
-        """Target forward time per block size, profiled on first use (a few seconds on CPU)."""
+    def costs(self) -> StepCosts:
+        """Target forward time per batched block size, profiled on first use (seconds on CPU)."""
         if self._costs is None:
-            k = self.spec.num_speculative_tokens
-            sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, k + 1} & set(range(1, k + 2)))
-            self._costs = profile_costs(self.model, sizes)
+            if self.max_num_seqs == 1:
+                k = self.spec.num_speculative_tokens
+                sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, k + 1} & set(range(1, k + 2)))
+                self._costs = StepCosts(profile_costs(self.model, sizes))
+            else:
+                self._costs = profile_step_costs(self.model, self._max_step_tokens())
         return self._costs
+
+    def configure_engine(self, max_num_seqs: int | None = None, scheduler: str | None = None) -> None:
+        """Resize the batch (a new KV cache with one slot per running request) and / or change the policy."""
+        if scheduler is not None:
+            make_policy(scheduler, StepCosts.flat())  # validates the name
+            self.scheduler = scheduler
+        if max_num_seqs is not None and max_num_seqs != self.max_num_seqs:
+            if max_num_seqs < 1:
+                raise ValueError("max_num_seqs must be >= 1")
+            self.max_num_seqs = max_num_seqs
+            self.cache = self.model.new_cache(self.max_model_len, num_slots=max_num_seqs)
+            self._costs = None
+            self._set_speculation(self.spec)
+        self._engine = None
+
+    @property
+    def scheduler_name(self) -> str:
+        if self.scheduler is not None:
+            return self.scheduler
+        return "goodput" if self.spec.adaptive else "static"
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching engine over this model's cache (built on first use)."""
+        if self._engine is None:
+            name = self.scheduler_name
+            needs_costs = self.spec.method != "none" and name != "static"
+            policy = make_policy(name, self.costs if needs_costs else StepCosts.flat())
+            config = EngineConfig(max_num_seqs=self.max_num_seqs,
+                                  max_num_batched_tokens=max(512, self._max_step_tokens()),
+                                  num_speculative_tokens=self.spec.num_speculative_tokens)
+            check = self._state_check if self.check_state else None
+            self._engine = Engine(self.model, self.cache, self.drafters, policy, self.eos_ids, config, self.rule,
+                                  check)
+        return self._engine
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -160,10 +208,26 @@ class LLM:
         ):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = [self.encode(p) for p in prompts]  # validate everything before running anything
-        results = []
-        for text, ids in tqdm(encoded, desc="generate", disable=not use_tqdm or len(encoded) < 2):
-            results.append(self._output(self._run(Request(ids, params), on_tokens), text))
-        return results
+        reqs = [Request(ids, params) for _, ids in encoded]
+        engine = self.engine
+        for r in reqs:  # refuse a request that can never fit before anything runs
+            engine.check_fits(r)
+        for r in reqs:
+            engine.add_request(r, on_tokens)
+        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm or len(reqs) < 2)
+        try:
+            done = 0
+            while engine.has_work():
+                engine.step()
+                now = sum(r.finished for r in reqs)
+                bar.update(now - done)
+                done = now
+        except BaseException:
+            engine.fail_all("generation failed")
+            raise
+        finally:
+            bar.close()
+        return [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
 
     def chat(
         self,
@@ -181,28 +245,17 @@ class LLM:
         ]
         return self.generate(encoded, sampling_params, use_tqdm, on_tokens)
 
-    def _run(self, req: Request, on_tokens: TokenCallback | None) -> Request:
-        drafter = self.drafters.new(req.params, len(req.prompt_ids))
-        controller = None
-        if drafter is not None:
-            costs = self.costs if self.spec.adaptive else CostTable.flat()
-            controller = SpecLengthController(self.spec.num_speculative_tokens, costs, adaptive=self.spec.adaptive)
-        check = self._state_check(drafter) if self.check_state else None
-        return decode(self.model, self.cache, req, self.eos_ids, drafter, controller, self.rule, on_tokens, check)
-
-    def _state_check(self, drafter):
-        def check(req: Request) -> None:
-            check_kv(self.model, self.cache, req.slot, req.all_ids[: req.num_computed], "target")
-            if hasattr(drafter, "committed_prefix"):
-                n = drafter.committed_prefix()
-                check_kv(drafter.model, drafter.cache, drafter.slot, req.all_ids[:n], "draft model")
-
-        return check
+    def _state_check(self, req: Request, drafter) -> None:
+        check_kv(self.model, self.cache, req.slot, req.all_ids[: req.num_computed], "target")
+        if hasattr(drafter, "committed_prefix"):
+            n = drafter.committed_prefix()
+            check_kv(drafter.model, drafter.cache, drafter.slot, req.all_ids[:n], "draft model")
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
         stats = req.stats.as_dict()
         stats.update(req.spec.as_dict())
         stats["method"] = self.spec.method
+        stats["scheduler"] = self.scheduler_name
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt,

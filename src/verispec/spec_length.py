@@ -1,9 +1,9 @@
-"""How many tokens to speculate for one request: a measured step-cost table and a goodput rule.
+"""What speculation costs and how well it does: a measured step-cost table and per-request acceptance estimates.
 
-goodput(k) = E[tokens committed | k] / (cost of verifying k + 1 tokens + cost of drafting k), with
-E[tokens | k] = (1 - a^(k+1)) / (1 - a) for a per-request acceptance estimate a (METHODS.md sections 1 and 8).
-k = 0 is plain decoding, chosen where speculation does not pay; a short probe every few plain steps keeps the
-estimate alive so that a request whose drafts start matching again gets speculation back.
+The scheduling policies (engine/scheduler.py) turn these into a number of draft tokens per request and step:
+E[tokens committed | k] = (1 - a^(k+1)) / (1 - a) for an acceptance estimate a (METHODS.md sections 1 and 8).
+A short probe every few plain steps keeps the estimate alive, so a request whose drafts start matching again
+gets speculation back.
 """
 
 from __future__ import annotations
@@ -61,6 +61,48 @@ def profile_costs(model: LlamaModel, sizes=(1, 2, 3, 4, 6, 8, 12, 16), context: 
     return CostTable(tuple(sizes), tuple(out))
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per batched target forward: a table over batched tokens plus a cost per extra sequence in it."""
+
+    table: CostTable
+    per_segment: float = 0.0
+
+    def __call__(self, tokens: int, segments: int = 1) -> float:
+        return self.table(tokens) + max(0, segments - 1) * self.per_segment
+
+    @classmethod
+    def flat(cls) -> "StepCosts":
+        return cls(CostTable.flat())
+
+
+def step_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Block sizes worth profiling up to max_tokens: dense where steps are short, sparser above."""
+    grid = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    return tuple(sorted({s for s in grid if s < max_tokens} | {max_tokens}))
+
+
+def profile_step_costs(model: LlamaModel, max_tokens: int, segments: int = 8, repeats: int = 3) -> StepCosts:
+    """Profile one sequence's block sizes 1..max_tokens, and the extra cost of splitting a block over sequences."""
+    table = profile_costs(model, step_sizes(max_tokens), repeats=repeats)
+    n = segments
+    cache = model.new_cache(64 + n, num_slots=n)
+    slots = [cache.allocate() for _ in range(n)]
+    ids = torch.arange(64 + 1, device=model.device) % model.cfg.vocab_size
+    for s in slots:
+        model(ids[:64], [Segment(s, 0, 64)], cache)
+        cache.commit(s, 64)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        model(ids[64:65].repeat(n), [Segment(s, 64, 1) for s in slots], cache, logits_indices=range(n))
+        times.append(time.perf_counter() - t)
+        for s in slots:
+            cache.rollback(s, 64)
+    per_segment = max(0.0, (statistics.median(times[1:]) - table(n)) / (n - 1))
+    return StepCosts(table, per_segment)
+
+
 def expected_tokens(a: float, k: int) -> float:
     """E[tokens per step] with k drafts accepted i.i.d. with probability a (bonus included)."""
     if a >= 1.0:
@@ -69,46 +111,56 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 @dataclass
-class SpecLengthController:
-    """Per-request choice of k in 0..max_k from the cost table and an online acceptance estimate."""
+class AcceptanceEstimator:
+    """Per request: online estimates of how drafts survive, and when to probe again after plain steps.
 
-    max_k: int
-    costs: CostTable
-    adaptive: bool = True
+    accept_rate - acceptance per drafted position (i.i.d. model: position j survives with accept_rate ** j);
+    pos_rates   - acceptance at position j given that position j - 1 survived (for survival without confidences).
+    """
+
     prior: float = 0.6  # acceptance assumed before any evidence
-    decay: float = 0.8  # weight of the old estimate at each step
+    decay: float = 0.8  # weight of the old estimate at each observed position
     probe_every: int = 8  # after this many plain steps, try a short draft again
+    probe_len: int = 2
     draft_cost_per_token: float = 0.0  # seconds, measured online
     accept_rate: float = field(init=False)
+    pos_rates: list[float] = field(default_factory=list, init=False)
     _plain_steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.accept_rate = self.prior
 
-    def choose(self, limit: int) -> int:
-        """k for the next step, at most `limit` (tokens left to generate minus one, cache room)."""
-        top = max(0, min(self.max_k, limit))
-        if not self.adaptive or top == 0:
-            return top
-        best_k, best = 0, 1.0 / self.costs(1)
-        for k in range(1, top + 1):
-            rate = expected_tokens(self.accept_rate, k) / (self.costs(k + 1) + k * self.draft_cost_per_token)
-            if rate > best:
-                best_k, best = k, rate
-        if best_k == 0:
-            self._plain_steps += 1
-            if self._plain_steps >= self.probe_every:
-                self._plain_steps = 0
-                return min(2, top)
-        return best_k
+    def iid_survival(self, n: int) -> list[float]:
+        """[n] P(positions 1..j all accepted) under the i.i.d. estimate."""
+        return [self.accept_rate ** (j + 1) for j in range(n)]
+
+    def position_survival(self, n: int) -> list[float]:
+        """[n] P(positions 1..j all accepted) from the per-position conditional estimates."""
+        out, s = [], 1.0
+        for j in range(n):
+            s *= self.pos_rates[j] if j < len(self.pos_rates) else self.accept_rate
+            out.append(s)
+        return out
+
+    def plain_step(self) -> bool:
+        """Note a step without speculation; True when a probe is due."""
+        self._plain_steps += 1
+        if self._plain_steps >= self.probe_every:
+            self._plain_steps = 0
+            return True
+        return False
 
     def update(self, drafted: int, accepted: int, draft_s: float) -> None:
         if drafted == 0:
             return
+        self._plain_steps = 0
         # acceptance per drafted position, counting the positions after a rejection as unobserved
         observed = min(drafted, accepted + 1)
-        rate = accepted / observed
         w = self.decay ** observed
-        self.accept_rate = w * self.accept_rate + (1 - w) * rate
+        self.accept_rate = w * self.accept_rate + (1 - w) * accepted / observed
+        while len(self.pos_rates) < observed:
+            self.pos_rates.append(self.accept_rate if not self.pos_rates else self.pos_rates[-1])
+        for j in range(observed):
+            self.pos_rates[j] = self.decay * self.pos_rates[j] + (1 - self.decay) * (j < accepted)
         per_tok = draft_s / drafted
         self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per_tok if self.draft_cost_per_token else per_tok

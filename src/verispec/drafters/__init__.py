@@ -10,7 +10,8 @@ from verispec.sampling import SamplingParams
 class DrafterFactory:
     """Holds what drafters share across requests (a draft model and its cache, the suffix cache)."""
 
-    def __init__(self, cfg: SpeculativeConfig, target=None, target_tokenizer=None, max_len: int = 4096) -> None:
+    def __init__(self, cfg: SpeculativeConfig, target=None, target_tokenizer=None, max_len: int = 4096,
+                 num_slots: int = 1) -> None:
         self.cfg = cfg
         self.draft_model = None
         self.draft_cache = None
@@ -23,7 +24,8 @@ class DrafterFactory:
             dtype = cfg.draft_dtype or target.dtype
             self.draft_model, resolved = load_model(cfg.model, dtype=dtype, device=target.device, progress=False)
             check_compatible(target, self.draft_model, target_tokenizer, load_tokenizer(resolved))
-            self.draft_cache = self.draft_model.new_cache(min(max_len, self.draft_model.cfg.max_position_embeddings))
+            self.draft_cache = self.draft_model.new_cache(min(max_len, self.draft_model.cfg.max_position_embeddings),
+                                                          num_slots=num_slots)
         self.reset_shared()
 
     def reset_shared(self) -> None:

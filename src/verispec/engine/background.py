@@ -1,0 +1,204 @@
+"""The engine on a worker thread, for the server: submit from the event loop, stream tokens back.
+
+The worker owns the Engine: only it steps, adds and aborts. Other threads hand it work through a locked
+inbox, and get tokens back as TokenEvents on an asyncio queue (or a plain queue when there is no loop).
+An exception inside a step finishes every request then in flight with an error event; the worker goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+from verispec.engine.core import RequestTooLong
+from verispec.request import Request
+from verispec.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BackgroundEngine", "EngineOverloaded", "EngineSnapshot", "RequestStream", "RequestTooLong", "TokenEvent"]
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: list[int]  # new tokens of this step (several when drafts were accepted)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last event
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # committed KV positions / capacity
+    kv_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_finished: int = 0
+
+
+class RequestStream:
+    """Tokens of one request as they are produced. Iterate with `async for` (or `events()` without a loop)."""
+
+    def __init__(self, req: Request, engine: "BackgroundEngine") -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = req.prompt_ids
+        self._req, self._engine = req, engine
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._aq: asyncio.Queue[TokenEvent] | None = asyncio.Queue()
+        except RuntimeError:
+            self._loop, self._aq = None, None
+        self._q: queue.Queue[TokenEvent] = queue.Queue()
+        self.finished = False
+
+    @property
+    def output_ids(self) -> list[int]:
+        return list(self._req.output_ids)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        s = self._req.stats.as_dict()
+        s.update(self._req.spec.as_dict())
+        return s
+
+    def _push(self, ev: TokenEvent) -> None:  # called on the worker thread
+        if self._loop is not None and self._aq is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+        else:
+            self._q.put(ev)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        assert self._aq is not None, "async iteration needs submit() to be called from the event loop"
+        while not self.finished:
+            ev = await self._aq.get()
+            self.finished = ev.finish_reason is not None
+            yield ev
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        assert self._aq is None, "this stream was submitted from an event loop: use `async for`"
+        while not self.finished:
+            ev = self._q.get(timeout=timeout)
+            self.finished = ev.finish_reason is not None
+            yield ev
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class BackgroundEngine:
+    def __init__(self, llm: Any, scheduler: str | None = None, max_num_seqs: int | None = None,
+                 max_waiting: int = 256, idle_wait_s: float = 0.02) -> None:
+        llm.configure_engine(max_num_seqs=max_num_seqs, scheduler=scheduler)
+        self.llm, self.engine = llm, llm.engine
+        self.max_waiting = max_waiting
+        self._idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple[Request, RequestStream]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._last_error = ""
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ---- from any thread --------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        self.llm._check_ids(prompt_ids)
+        req = Request(list(prompt_ids), params) if request_id is None else Request(list(prompt_ids), params, request_id)
+        self.engine.check_fits(req)
+        with self._lock:
+            in_flight = len(self._streams)
+            capacity = self.engine.config.max_num_seqs + self.max_waiting
+            if in_flight >= capacity:
+                raise EngineOverloaded(
+                    f"the server is at capacity ({in_flight} requests in flight, {self.max_waiting} may wait); "
+                    "retry later", retry_after=1.0)
+            stream = RequestStream(req, self)
+            self._streams[req.request_id] = stream
+            self._inbox.append((req, stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        c = e.counters
+        with self._lock:
+            inbox = len(self._inbox)
+        return EngineSnapshot(
+            num_running=len(e.running), num_waiting=len(e.waiting) + inbox, kv_usage=e.kv_usage(),
+            kv_tokens=e.kv_tokens(), num_drafts=c.num_drafts, num_draft_tokens=c.num_draft_tokens,
+            num_accepted_tokens=c.num_accepted_tokens, accepted_per_pos=list(c.accepted_per_pos),
+            num_finished=e.num_finished)
+
+    # ---- the worker -------------------------------------------------------------------------------
+    def _on_tokens(self, req: Request, tokens: list[int]) -> None:
+        stream = self._streams.get(req.request_id)
+        if stream is None:
+            return
+        reason = req.finish_reason
+        stream._push(TokenEvent(list(tokens), reason, self._last_error if reason == "error" else None))
+        if reason is not None:
+            with self._lock:
+                self._streams.pop(req.request_id, None)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req, _ in inbox:
+            self.engine.add_request(req, self._on_tokens)
+        for rid in aborts:
+            self.engine.abort(rid)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_work():
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
+                log.exception("engine step failed")
+                self._last_error = f"internal error while generating: {type(exc).__name__}: {exc}"
+                self.engine.fail_all(self._last_error)
+        self._last_error = "the server is shutting down"
+        self.engine.fail_all(self._last_error)

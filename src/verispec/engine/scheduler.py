@@ -1,0 +1,130 @@
+"""Speculation policies: how many draft tokens each running request proposes and how many get verified.
+
+A policy decides and never touches tensors. Each step, in two calls:
+  draft_lengths(cands)          -> how many tokens to ask each request's drafter for (before drafting);
+  verify_lengths(cands, drafts) -> how many of each draft go into the batched target forward (after drafting,
+                                   before verification: only pre-verification information is used, so the
+                                   choice cannot bias the output distribution).
+
+  static  - every request drafts and verifies K tokens (its limit permitting).
+  goodput - SmartSpec (METHODS.md section 8): choose per-request lengths that maximise expected committed
+            tokens per second of the batched step, from the profiled step-cost table and each request's
+            acceptance estimate; 0 where speculation does not pay.
+  dspark  - the DSpark prefix scheduler (METHODS.md section 6): draft K, then admit (request, position) pairs
+            by survival (product of per-position confidences, from the drafter or an online estimator) while
+            Theta = (R + sum a) * SPS(B) keeps rising; stop at its first drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from verispec.drafters.base import Draft
+from verispec.spec_length import AcceptanceEstimator, StepCosts
+
+POLICIES = ("static", "goodput", "dspark")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One running request that decodes this step."""
+
+    limit: int  # most draft tokens it may take (max K, tokens left - 1, cache room)
+    estimator: AcceptanceEstimator
+    probe: bool = False  # the estimator asks for a short probe this step
+
+
+def admit_prefixes(
+    survivals: Sequence[Sequence[float]],
+    costs: StepCosts,
+    base_tokens: int,
+    extra_cost: Sequence[float] | None = None,
+    stop_at_first_drop: bool = False,
+) -> list[int]:
+    """Draft lengths l_r maximising Theta = (R + sum of admitted survivals) / step time.
+
+    survivals[r][j]: P(draft positions 1..j+1 of request r all accepted), non-increasing in j.
+    base_tokens: tokens in the step before any draft (one per decoding request, plus prefill chunks).
+    extra_cost[r]: seconds added per admitted draft token of request r (drafting it), 0 when already drafted.
+    Pairs are admitted in order of falling survival, so each request's admitted set is a prefix.
+    With stop_at_first_drop (DSpark) admission ends at the first pair that lowers Theta; otherwise the best
+    prefix of the whole ordering is kept (SmartSpec's argmax).
+    """
+    R = len(survivals)
+    extra = extra_cost or [0.0] * R
+    pairs = sorted((-s, r, j) for r, surv in enumerate(survivals) for j, s in enumerate(surv))
+    lengths = [0] * R
+    best_lengths = list(lengths)
+    gained, tokens, drafting = 0.0, base_tokens, 0.0
+    best = prev = R / costs(tokens, R) if R else 0.0
+    for neg_s, r, j in pairs:
+        if j != lengths[r]:  # only extend a prefix (equal survivals sort by position)
+            continue
+        lengths[r] += 1
+        gained += -neg_s
+        tokens += 1
+        drafting += extra[r]
+        theta = (R + gained) / (costs(tokens, R) + drafting)
+        if stop_at_first_drop and theta < prev:
+            lengths[r] -= 1
+            return lengths
+        prev = theta
+        if theta > best:
+            best, best_lengths = theta, list(lengths)
+    return lengths if stop_at_first_drop else best_lengths
+
+
+class StaticPolicy:
+    name = "static"
+
+    def __init__(self, costs: StepCosts) -> None:
+        self.costs = costs
+
+    def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
+        return [c.limit for c in cands]
+
+    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Draft], base_tokens: int) -> list[int]:
+        return [len(d.tokens) for d in drafts]
+
+
+def _with_probes(cands: Sequence[Candidate], lengths: list[int]) -> list[int]:
+    return [min(c.estimator.probe_len, c.limit) if (n == 0 and c.probe) else n for c, n in zip(cands, lengths)]
+
+
+class GoodputPolicy(StaticPolicy):
+    name = "goodput"
+
+    def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
+        survivals = [c.estimator.iid_survival(c.limit) for c in cands]
+        extra = [c.estimator.draft_cost_per_token for c in cands]
+        return _with_probes(cands, admit_prefixes(survivals, self.costs, base_tokens, extra))
+
+
+class DSparkPolicy(StaticPolicy):
+    name = "dspark"
+
+    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Draft], base_tokens: int) -> list[int]:
+        survivals = []
+        for c, d in zip(cands, drafts):
+            g = len(d.tokens)
+            if d.confidence is not None:
+                surv, s = [], 1.0
+                for conf in d.confidence:
+                    s *= conf
+                    surv.append(s)
+                survivals.append(surv)
+            else:
+                survivals.append(c.estimator.position_survival(g))
+        lengths = admit_prefixes(survivals, self.costs, base_tokens, stop_at_first_drop=True)
+        return [min(n, len(d.tokens)) for n, d in zip(_with_probes(cands, lengths), drafts)]
+
+
+def make_policy(name: str, costs: StepCosts) -> StaticPolicy:
+    if name == "static":
+        return StaticPolicy(costs)
+    if name == "goodput":
+        return GoodputPolicy(costs)
+    if name == "dspark":
+        return DSparkPolicy(costs)
+    raise ValueError(f"scheduler {name!r} is not one of {POLICIES}")
