@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`verispec serve`): protocol, metrics and the FastAPI app."""

@@ -1,0 +1,385 @@
+"""The OpenAI wire format: validate request bodies into (prompt ids, SamplingParams), build responses and errors.
+
+Validation is written out by hand rather than through pydantic models so that every rejection is an HTTP 400 with
+OpenAI's error body, naming the offending field (`param`) and saying what to send instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from verispec.sampling import SamplingParams
+
+# Below this temperature sampling is numerically the argmax anyway (and logits / T would overflow): treat as greedy.
+GREEDY_TEMPERATURE = 1e-5
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {message, type, param, code}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- the served model ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServedModel:
+    """The model id shown by /v1/models, and every name a request's `model` field may use for it."""
+
+    id: str
+    aliases: frozenset[str] = frozenset()
+    max_model_len: int = 0
+    created: int = 0
+
+    def check(self, name: Any) -> None:
+        if name is None:  # optional here (OpenAI requires it; vLLM does not)
+            return
+        if not isinstance(name, str):
+            raise bad_request(f"'model' must be a string, e.g. {self.id!r}", "model")
+        if name != self.id and name.lower() not in self.aliases:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.id}` "
+                                "(see GET /v1/models).", param="model", code="model_not_found")
+
+    def card(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "verispec",
+                "max_model_len": self.max_model_len}
+
+
+# ---- JSON and field helpers ----------------------------------------------------------------------------------
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON ({e}). Send a JSON object with "
+                          "Content-Type: application/json.") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, got a JSON {type(body).__name__}.")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+def _int(body: dict, key: str, default: int | None, lo: int | None = None, hi: int | None = None,
+         what: str = "") -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad_request(f"'{key}' must be an integer{what}, got {json.dumps(v)}.", key)
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad_request(f"'{key}' must be an integer{what}, got {v}.", key)
+    return v
+
+
+def _num(body: dict, key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"'{key}' must be a number, got {json.dumps(v)}.", key)
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be true or false, got {json.dumps(v)}.", key)
+    return v
+
+
+def _token_ids(v: Any, key: str, vocab: int) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise bad_request(f"'{key}' must be a list of integer token ids.", key)
+    ids = [int(t) for t in v]
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"'{key}' holds token ids {bad[:5]} outside the vocabulary [0, {vocab}).", key)
+    return ids
+
+
+# Fields accepted only at their neutral value: anything else is a feature verispec does not implement.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "stop": (None, [], ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "min_tokens": (None, 0), "top_logprobs": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+}
+_HINTS = {"stop": "stop strings are not supported; use 'stop_token_ids'",
+          "n": "send n separate requests instead (with different seeds)"}
+_IGNORED = {"user", "metadata", "store", "service_tier"}  # bookkeeping fields with no effect on the output
+_SAMPLING_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+                  "n", "stream", "stream_options", "return_token_ids", *_NEUTRAL, *_IGNORED}
+COMPLETION_KEYS = _SAMPLING_KEYS | {"prompt", "logprobs"}
+CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "logprobs", "response_format"}
+
+
+def _same(v: Any, neutral: Any) -> bool:
+    if neutral is None or isinstance(neutral, bool) or isinstance(v, bool):
+        return v is neutral
+    return v == neutral  # 0 == 0.0; values of other types never compare equal
+
+
+def _check_keys(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument(s): {', '.join(unknown)}. Supported: "
+                          f"{', '.join(sorted(allowed - _IGNORED))}.", unknown[0])
+    for key, neutral in _NEUTRAL.items():
+        if key in body and not any(_same(body[key], n) for n in neutral):
+            hint = _HINTS.get(key, f"remove '{key}' or send its default")
+            raise bad_request(f"'{key}' = {json.dumps(body[key])} is not supported by verispec: {hint}.", key)
+
+
+# ---- requests ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: str  # "completion" | "chat"
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed with \"stream\": true.", "stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_request("'stream_options' must be an object like {\"include_usage\": true}.", "stream_options")
+    return stream, _bool(opts, "include_usage", False)
+
+
+def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key: str,
+            default_max: int | None) -> SamplingParams:
+    n = _int(body, "n", 1, what=" (only 1 is supported)")
+    if n != 1:
+        raise bad_request(f"'n' = {n} is not supported: verispec returns one choice per request; {_HINTS['n']}.", "n")
+    if prompt_len >= max_model_len:
+        raise bad_request(f"The prompt has {prompt_len} tokens, but this model's context holds {max_model_len} "
+                          f"(prompt + completion). Shorten the prompt to under {max_model_len} tokens.",
+                          "messages" if max_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
+    room = max_model_len - prompt_len
+    max_tokens = _int(body, max_key, default_max, lo=1, what=" >= 1")
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens > room:
+        raise bad_request(f"This model's context holds {max_model_len} tokens, but you requested {prompt_len + max_tokens} "
+                          f"({prompt_len} in the prompt, {max_tokens} for the completion). Lower '{max_key}' to at "
+                          f"most {room}, or shorten the prompt.", max_key, "context_length_exceeded")
+    temperature = _num(body, "temperature", 1.0)
+    if temperature < 0:
+        raise bad_request(f"'temperature' must be >= 0 (0 = greedy), got {temperature}.", "temperature")
+    top_p = _num(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad_request(f"'top_p' must be in (0, 1], got {top_p}.", "top_p")
+    top_k = _int(body, "top_k", 0, lo=-1, what=" >= 1, or 0 / -1 for no limit")
+    seed = _int(body, "seed", None, lo=-(2**63), hi=2**64 - 1, what=" in [-2^63, 2^64)")
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", vocab)
+    try:
+        return SamplingParams(temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
+                              top_k=top_k, max_tokens=max_tokens, seed=seed, ignore_eos=_bool(body, "ignore_eos", False),
+                              stop_token_ids=tuple(stop_ids))
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def _finish(kind: str, body: dict, llm: Any, ids: list[int], max_key: str, default_max: int | None) -> ParsedRequest:
+    if not ids:
+        raise bad_request("The prompt is empty: it encodes to no tokens. Send at least one token.",
+                          "messages" if kind == "chat" else "prompt")
+    params = _params(body, len(ids), llm.max_model_len, llm.model.cfg.vocab_size, max_key, default_max)
+    stream, include_usage = _stream_flags(body)
+    return ParsedRequest(kind, ids, params, stream, include_usage, _bool(body, "return_token_ids", False))
+
+
+def _prompt_ids(prompt: Any, llm: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if llm.tokenizer is None:
+            raise bad_request("This model has no tokenizer: send 'prompt' as a list of token ids.", "prompt")
+        return list(llm.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return _token_ids(prompt, "prompt", llm.model.cfg.vocab_size)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"Batched prompts ({len(prompt)}) are not supported: send one prompt per request.", "prompt")
+    raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids.", "prompt")
+
+
+def parse_completion(body: dict, llm: Any, served: ServedModel) -> ParsedRequest:
+    _check_keys(body, COMPLETION_KEYS)
+    served.check(body.get("model"))
+    if body.get("logprobs") is not None:
+        raise bad_request("'logprobs' is not supported by verispec; remove it.", "logprobs")
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("Missing required field 'prompt' (a string or a list of token ids).", "prompt")
+    return _finish("completion", body, llm, _prompt_ids(body["prompt"], llm), "max_tokens", 16)
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"'{where}' must be an object like {{\"role\": \"user\", \"content\": \"Hi\"}}.", where)
+    role, content = m.get("role"), m.get("content")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}.",
+                          f"{where}.role")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise bad_request(f"'{where}.content' parts must all be {{\"type\": \"text\", \"text\": ...}}: "
+                              "verispec serves text-only models.", f"{where}.content")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad_request(f"'{where}.content' must be a string or a list of text parts.", f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def parse_chat(body: dict, llm: Any, served: ServedModel) -> ParsedRequest:
+    _check_keys(body, CHAT_KEYS)
+    served.check(body.get("model"))
+    if body.get("logprobs") not in (None, False):
+        raise bad_request("'logprobs' is not supported by verispec; remove it.", "logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by verispec.",
+                          "response_format")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad_request("Missing required field 'messages' (a list of {\"role\", \"content\"} objects).", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("'messages' must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
+    messages = [_message(m, i) for i, m in enumerate(msgs)]
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    try:
+        text = llm.apply_chat_template(messages)
+    except ValueError as e:
+        raise bad_request(f"{e}.", "messages") from None
+    except Exception as e:  # a template may raise on unusual role orders
+        raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
+    ids = list(llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # the template holds the special tokens
+    return _finish("chat", body, llm, ids, max_key, None)
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds one request's response body or its stream of SSE chunks, in OpenAI's shapes."""
+
+    req: ParsedRequest
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id(self.req.kind)
+        self.created = self.created or int(time.time())
+
+    def _choice(self, text: str, token_ids: list[int], finish: str | None, delta: bool) -> dict[str, Any]:
+        if self.req.kind == "chat":
+            key, val = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
+            choice = {"index": 0, key: val, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.req.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def response(self, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
+        obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [self._choice(text, token_ids, finish, delta=False)],
+                "usage": usage(len(self.req.prompt_ids), len(token_ids))}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                                "choices": choices}
+        if self.req.include_usage:
+            body["usage"] = usage_
+        return sse(body)
+
+    def first_chunk(self) -> str | None:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        if self.req.kind != "chat":
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._chunk([choice])
+
+    def delta_chunk(self, text: str, token_ids: list[int], finish: str | None) -> str:
+        choice = self._choice(text, token_ids, finish, delta=True)
+        if self.req.kind == "chat" and finish is not None and not text:
+            choice["delta"] = {}
+        return self._chunk([choice])
+
+    def usage_chunk(self, completion_tokens: int) -> str | None:
+        if not self.req.include_usage:
+            return None
+        return self._chunk([], usage(len(self.req.prompt_ids), completion_tokens))
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class IncrementalText:
+    """Text of a growing token list, emitted as suffixes; text ending in an incomplete UTF-8 sequence waits."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode, self.sent = decode, 0
+
+    def update(self, ids: list[int], final: bool) -> str:
+        text = self.decode(ids)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        delta = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return delta
