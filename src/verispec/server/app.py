@@ -253,9 +253,9 @@ class _Server(uvicorn.Server):
         self.on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-               on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve `app` until interrupted (Ctrl-C / SIGTERM shut it down gracefully, the engine included)."""
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+                on_ready: Callable[[str], None] | None = None) -> uvicorn.Server:
+    """A uvicorn server for `app`; `.run()` serves until Ctrl-C / SIGTERM (or `.should_exit = True`)."""
     served: ServedModel = app.state.served
 
     def announce(url: str) -> None:
@@ -263,4 +263,9 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_l
               flush=True)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    _Server(config, on_ready or announce).run()
+    return _Server(config, on_ready or announce)
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
+    """Serve `app` until interrupted; the engine shuts down with it."""
+    make_server(app, host, port, log_level=log_level).run()

@@ -184,14 +184,14 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 
 def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key: str,
-            default_max: int | None) -> SamplingParams:
+            default_max: int | None, prompt_key: str) -> SamplingParams:
     n = _int(body, "n", 1, what=" (only 1 is supported)")
     if n != 1:
         raise bad_request(f"'n' = {n} is not supported: verispec returns one choice per request; {_HINTS['n']}.", "n")
     if prompt_len >= max_model_len:
         raise bad_request(f"The prompt has {prompt_len} tokens, but this model's context holds {max_model_len} "
                           f"(prompt + completion). Shorten the prompt to under {max_model_len} tokens.",
-                          "messages" if max_key == "max_completion_tokens" else "prompt", "context_length_exceeded")
+                          prompt_key, "context_length_exceeded")
     room = max_model_len - prompt_len
     max_tokens = _int(body, max_key, default_max, lo=1, what=" >= 1")
     if max_tokens is None:
@@ -219,10 +219,10 @@ def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key
 
 
 def _finish(kind: str, body: dict, llm: Any, ids: list[int], max_key: str, default_max: int | None) -> ParsedRequest:
+    prompt_key = "messages" if kind == "chat" else "prompt"
     if not ids:
-        raise bad_request("The prompt is empty: it encodes to no tokens. Send at least one token.",
-                          "messages" if kind == "chat" else "prompt")
-    params = _params(body, len(ids), llm.max_model_len, llm.model.cfg.vocab_size, max_key, default_max)
+        raise bad_request("The prompt is empty: it encodes to no tokens. Send at least one token.", prompt_key)
+    params = _params(body, len(ids), llm.max_model_len, llm.model.cfg.vocab_size, max_key, default_max, prompt_key)
     stream, include_usage = _stream_flags(body)
     return ParsedRequest(kind, ids, params, stream, include_usage, _bool(body, "return_token_ids", False))
 
