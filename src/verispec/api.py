@@ -64,6 +64,7 @@ class LLM:
         check_state: bool = False,
         max_num_seqs: int = 4,
         scheduler: str | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.device = device or default_device()
         if dtype == "auto":
@@ -75,6 +76,7 @@ class LLM:
         self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.scheduler = scheduler
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = self.model.new_cache(self.max_model_len, num_slots=max_num_seqs)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -147,7 +149,7 @@ class LLM:
             needs_costs = self.spec.method != "none" and name != "static"
             policy = make_policy(name, self.costs if needs_costs else StepCosts.flat())
             config = EngineConfig(max_num_seqs=self.max_num_seqs,
-                                  max_num_batched_tokens=max(512, self._max_step_tokens()),
+                                  max_num_batched_tokens=self.max_num_batched_tokens or max(512, self._max_step_tokens()),
                                   num_speculative_tokens=self.spec.num_speculative_tokens)
             check = self._state_check if self.check_state else None
             self._engine = Engine(self.model, self.cache, self.drafters, policy, self.eos_ids, config, self.rule,
@@ -198,17 +200,20 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         on_tokens: TokenCallback | None = None,
     ) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, (list, tuple)) else None
+        params = SamplingParams() if sampling_params is None or params_list is not None else sampling_params
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = [self.encode(p) for p in prompts]  # validate everything before running anything
-        reqs = [Request(ids, params) for _, ids in encoded]
+        if params_list is not None and len(params_list) != len(encoded):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(encoded)} prompts; give one or one each")
+        reqs = [Request(ids, params_list[i] if params_list else params) for i, (_, ids) in enumerate(encoded)]
         engine = self.engine
         for r in reqs:  # refuse a request that can never fit before anything runs
             engine.check_fits(r)

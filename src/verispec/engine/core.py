@@ -172,6 +172,7 @@ class Engine:
         spec = [lv for lv in decoding if lv.drafter is not None and lv.req.output_ids]
         drafts: dict[int, Draft] = {}
         draft_time: dict[int, float] = {}
+        proposed: set[int] = set()  # requests whose drafter proposed tokens (it must hear the verdict)
         if spec:
             cands = [Candidate(self._limit(lv), lv.estimator, lv.probe) for lv in spec]
             want = self.policy.draft_lengths(cands, base)
@@ -180,6 +181,8 @@ class Engine:
                 t = time.perf_counter()
                 d = lv.drafter.propose(lv.req.all_ids, k) if k > 0 else EMPTY  # type: ignore[union-attr]
                 draft_time[id(lv)] = time.perf_counter() - t
+                if d.tokens:
+                    proposed.add(id(lv))
                 props.append(Draft(d.tokens[:k], None if d.probs is None else d.probs[:k],
                                    None if d.confidence is None else d.confidence[:k]))
             keep = self.policy.verify_lengths(cands, props, base)
@@ -223,8 +226,8 @@ class Engine:
             logits = out.logits[row : row + g + 1]  # [g + 1, V]
             row += g + 1
             t0 = time.perf_counter()
-            self._accept(lv, d, logits, draft_s=draft_time.get(id(lv), 0.0), verify_s=t_verify - t_forward,
-                         sched_s=sched_s, t0=t0)
+            self._accept(lv, d, logits, id(lv) in proposed, draft_s=draft_time.get(id(lv), 0.0),
+                         verify_s=t_verify - t_forward, sched_s=sched_s, t0=t0)
         self._reap()
 
     def _limit(self, lv: _Live) -> int:
@@ -233,7 +236,7 @@ class Engine:
         room = self.cache.max_len - r.num_computed - 1
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
-    def _accept(self, lv: _Live, d: Draft, logits: torch.Tensor, *, draft_s: float, verify_s: float,
+    def _accept(self, lv: _Live, d: Draft, logits: torch.Tensor, proposed: bool, *, draft_s: float, verify_s: float,
                 sched_s: float, t0: float) -> None:
         req, g = lv.req, len(d.tokens)
         x = torch.tensor(d.tokens, dtype=torch.long)
@@ -244,7 +247,7 @@ class Engine:
             verdict = verify_sampled(x, d.probs, p, lv.generator, self.rule)  # type: ignore[arg-type]
         self.cache.commit(req.slot, verdict.accepted + 1)  # type: ignore[arg-type]
         req.num_computed += verdict.accepted + 1
-        if lv.drafter is not None and g:
+        if lv.drafter is not None and proposed:  # even when none of the draft was verified
             lv.drafter.observe(verdict.accepted)
         first = not req.output_ids
         kept = req.append(verdict.tokens, self.eos_ids)

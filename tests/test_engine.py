@@ -1,0 +1,124 @@
+"""The continuous-batching engine: at fp32 and greedy every request's output equals HF transformers' greedy
+output for it alone, whatever the concurrency, drafter or policy; requests join, wait, leave and abort cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import LLM, SamplingParams
+from verispec.engine.core import RequestTooLong
+from verispec.request import Request
+
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3],
+    [7, 7, 7, 7],
+    [10, 20, 30, 10, 20, 30, 10],
+    list(range(40, 50)),
+    [3],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 5, 6, 7],  # longer than a prefill chunk
+]
+MAX_TOKENS = [30, 12, 25, 7, 20, 16]  # requests leave at different steps
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    common = dict(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    out = {}
+    for name, cfg in {"llama": LlamaConfig(**common), "mistral-window": MistralConfig(**common, sliding_window=6)}.items():
+        torch.manual_seed(7 + len(name))
+        m = AutoModelForCausalLM.from_config(cfg).eval()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(4.0)  # sharper distributions: repeated runs for the drafters to find
+        d = tmp_path_factory.mktemp(name)
+        m.save_pretrained(d)
+        out[name] = (str(d), m)
+    torch.manual_seed(3)
+    draft = tmp_path_factory.mktemp("draft")
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**common, "num_hidden_layers": 1})).save_pretrained(draft)
+    out["draft"] = (str(draft), None)
+    return out
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    return {arch: [hf_greedy(tiny[arch][1], p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+            for arch in ("llama", "mistral-window")}
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+@pytest.mark.parametrize("method", ["none", "ngram", "suffix", "draft_model"])
+@pytest.mark.parametrize("scheduler", ["static", "goodput", "dspark"])
+def test_batched_output_equals_hf_single_stream(tiny, references, arch, method, scheduler):
+    spec = None if method == "none" else {"method": method, "num_speculative_tokens": 4}
+    if method == "draft_model":
+        spec["model"] = tiny["draft"][0]
+    # 6 requests, 4 slots: two wait for a slot; 8-token batches force chunked prefill of the long prompts
+    llm = LLM(tiny[arch][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              speculative_config=spec, scheduler=scheduler, check_state=True, max_num_batched_tokens=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    for i, (o, ref) in enumerate(zip(outs, references[arch])):
+        assert o.token_ids == ref, f"request {i} ({method}, {scheduler}, {arch}) differs from HF's single-stream output"
+    assert llm.engine.kv_tokens() == 0 and not llm.engine.running
+    assert all(not s.in_use for s in llm.cache.slots), "a finished request kept its cache slot"
+
+
+def test_requests_join_while_others_decode(tiny, references):
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, scheduler="dspark")
+    eng = llm.engine
+    reqs = [Request(p, prm) for p, prm in zip(PROMPTS, _params())]
+    pending = list(reqs)
+    steps = 0
+    while pending or eng.has_work():
+        if pending and steps % 3 == 0:  # a new request every third step
+            eng.add_request(pending.pop(0))
+        eng.step()
+        steps += 1
+    for r, ref in zip(reqs, references["llama"]):
+        assert r.output_ids == ref
+    assert eng.num_finished == len(PROMPTS)
+
+
+def test_request_that_can_never_fit_is_refused_and_others_run(tiny, references):
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=40, max_num_seqs=2)
+    with pytest.raises(RequestTooLong, match="exceeds the context of 40"):
+        llm.generate({"prompt_token_ids": list(range(30))}, SamplingParams(max_tokens=20))
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, _params()[0], use_tqdm=False)[0]
+    assert out.token_ids == references["llama"][0]
+
+
+def test_abort_frees_slot_and_kv_at_once(tiny):
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2,
+              speculative_config={"method": "ngram"})
+    eng = llm.engine
+    a = Request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    b = Request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    waiting = Request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for r in (a, b, waiting):
+        eng.add_request(r)
+    for _ in range(3):
+        eng.step()
+    assert eng.kv_tokens() > 0 and len(eng.running) == 2
+    assert eng.abort(a.request_id) and eng.abort(waiting.request_id)
+    eng.step()  # the aborted request is released before this step's forward
+    assert a.finish_reason == "abort" and waiting.finish_reason == "abort"
+    assert [lv.req for lv in eng.running] == [b]
+    assert eng.kv_tokens() == eng.cache.length(b.slot)
+    eng.run_to_completion()
+    assert eng.kv_tokens() == 0 and eng.kv_usage() == 0.0
+    assert not eng.abort("no-such-request")

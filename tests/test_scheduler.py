@@ -1,0 +1,98 @@
+"""Speculation policies against brute force and hand-computed closed forms."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from verispec.drafters.base import Draft
+from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy, admit_prefixes, make_policy
+from verispec.spec_length import AcceptanceEstimator, CostTable, StepCosts
+
+
+def theta(lengths, survivals, costs, base):
+    """Expected committed tokens per second of a step with these draft lengths (written out directly)."""
+    R = len(survivals)
+    gained = sum(sum(s[:n]) for s, n in zip(survivals, lengths))
+    return (R + gained) / costs(base + sum(lengths), R)
+
+
+def decreasing(rng, n):
+    out, s = [], 1.0
+    for _ in range(n):
+        s *= rng.uniform(0.05, 1.0)
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_goodput_admission_is_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    R = rng.randint(1, 3)
+    survivals = [decreasing(rng, rng.randint(0, 4)) for _ in range(R)]
+    sizes = (1, 2, 4, 8, 16)
+    per_tok = rng.uniform(0.01, 0.5)
+    costs = StepCosts(CostTable(sizes, tuple(1.0 + per_tok * (n - 1) ** rng.uniform(0.6, 1.4) for n in sizes)),
+                      per_segment=rng.uniform(0, 0.1))
+    base = R + rng.randint(0, 3)
+    got = admit_prefixes(survivals, costs, base)
+    best = max(theta(ls, survivals, costs, base) for ls in itertools.product(*[range(len(s) + 1) for s in survivals]))
+    assert theta(got, survivals, costs, base) == pytest.approx(best, rel=1e-12)
+
+
+def test_dspark_stops_at_the_first_drop():
+    # two requests; every verified token costs 0.1 of a one-token step
+    costs = StepCosts(CostTable((1, 100), (1.0, 1.0 + 0.1 * 99)))
+    survivals = [[0.9, 0.72, 0.07, 0.06], [0.5, 0.05]]
+    # order by survival: (0,0) .9, (0,1) .72, (1,0) .5, (0,2) .07, (0,3) .06, (1,1) .05
+    # Theta: B=2: 2/1.1; +.9 -> 2.9/1.2; +.72 -> 3.62/1.3; +.5 -> 4.12/1.4; +.07 -> 4.19/1.5 drops: stop
+    assert admit_prefixes(survivals, costs, 2, stop_at_first_drop=True) == [2, 1]
+    # the same numbers through the policy, confidences as per-position survival factors
+    drafts = [Draft([1, 2, 3, 4], confidence=[0.9, 0.8, 0.07 / 0.72, 0.06 / 0.07]), Draft([5, 6], confidence=[0.5, 0.1])]
+    cands = [Candidate(4, AcceptanceEstimator()), Candidate(2, AcceptanceEstimator())]
+    policy = DSparkPolicy(costs)
+    assert policy.draft_lengths(cands, 2) == [4, 2]  # DSpark drafts the whole block, then trims
+    assert policy.verify_lengths(cands, drafts, 2) == [2, 1]
+
+
+def test_first_drop_differs_from_the_global_argmax():
+    # a dip then a rise: SmartSpec's full scan takes the later optimum, DSpark's early stop does not
+    costs = StepCosts(CostTable((1, 2, 3, 4), (1.0, 1.0, 1.5, 1.5)))  # Theta: 1.95, 1.9, 2.47
+    survivals = [[0.95, 0.9, 0.85]]
+    assert admit_prefixes(survivals, costs, 1, stop_at_first_drop=True) == [1]
+    assert admit_prefixes(survivals, costs, 1) == [3]
+
+
+def test_speculation_turns_off_when_the_batch_saturates():
+    # verifying costs as much per token as decoding: no acceptance below 1 can pay for a draft
+    linear = StepCosts(CostTable((1, 64), (1.0, 64.0)))
+    cands = [Candidate(4, AcceptanceEstimator(prior=0.8)) for _ in range(16)]
+    assert GoodputPolicy(linear).draft_lengths(cands, 16) == [0] * 16
+    drafts = [Draft([1, 2, 3, 4], confidence=[0.8] * 4)] * 16
+    assert DSparkPolicy(linear).verify_lengths(cands, drafts, 16) == [0] * 16
+    # on a flat cost table every draft token is worth verifying
+    assert GoodputPolicy(StepCosts.flat()).draft_lengths(cands, 16) == [4] * 16
+
+
+def test_dspark_without_confidences_uses_the_online_estimates():
+    costs = StepCosts(CostTable((1, 100), (1.0, 1.0 + 0.05 * 99)))
+    good, bad = AcceptanceEstimator(), AcceptanceEstimator()
+    for _ in range(30):
+        good.update(drafted=4, accepted=4, draft_s=0.0)
+        bad.update(drafted=4, accepted=0, draft_s=0.0)
+    cands = [Candidate(4, good), Candidate(4, bad)]
+    assert DSparkPolicy(costs).verify_lengths(cands, [Draft([1, 2, 3, 4])] * 2, 2) == [4, 0]
+    # a due probe still verifies a short draft of the failing request, so its estimate can recover
+    probing = [Candidate(4, good), Candidate(4, bad, probe=True)]
+    assert DSparkPolicy(costs).verify_lengths(probing, [Draft([1, 2, 3, 4])] * 2, 2) == [4, 2]
+
+
+def test_static_and_unknown_names():
+    cands = [Candidate(3, AcceptanceEstimator()), Candidate(0, AcceptanceEstimator())]
+    p = StaticPolicy(StepCosts.flat())
+    assert p.draft_lengths(cands, 2) == [3, 0]
+    assert p.verify_lengths(cands, [Draft([1, 2]), Draft([])], 2) == [2, 0]
+    with pytest.raises(ValueError, match="not one of"):
+        make_policy("fastest", StepCosts.flat())
