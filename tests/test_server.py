@@ -395,6 +395,29 @@ def live(app) -> Iterator[str]:
         thread.join(15)
 
 
+def test_cli_serve_announces_url_and_stops_on_sigterm(tiny_dir: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "verispec.cli", "serve", "--model", str(tiny_dir), "--port", "0", "--device", "cpu",
+           "--api-key", "k", "--max-num-seqs", "2", "--scheduler", "static", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # the first line printed is the announcement, once the socket is bound
+        assert line.startswith("verispec: serving ") and " at http://127.0.0.1:" in line, line
+        url = line.split(" at ", 1)[1].split()[0]
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+        r = httpx.post(url + "/completions", json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
+                       headers={"Authorization": "Bearer k"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def wait_idle(engine: BackgroundEngine, timeout: float = 5.0):
     deadline = time.monotonic() + timeout
     while True:

@@ -197,9 +197,10 @@ def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key
     if max_tokens is None:
         max_tokens = room
     if max_tokens > room:
-        raise bad_request(f"This model's context holds {max_model_len} tokens, but you requested {prompt_len + max_tokens} "
-                          f"({prompt_len} in the prompt, {max_tokens} for the completion). Lower '{max_key}' to at "
-                          f"most {room}, or shorten the prompt.", max_key, "context_length_exceeded")
+        raise bad_request(f"This model's context holds {max_model_len} tokens, but you requested "
+                          f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                          f"Lower '{max_key}' to at most {room}, or shorten the prompt.", max_key,
+                          "context_length_exceeded")
     temperature = _num(body, "temperature", 1.0)
     if temperature < 0:
         raise bad_request(f"'temperature' must be >= 0 (0 = greedy), got {temperature}.", "temperature")
@@ -212,8 +213,8 @@ def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key
     stop_ids = [] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", vocab)
     try:
         return SamplingParams(temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
-                              top_k=top_k, max_tokens=max_tokens, seed=seed, ignore_eos=_bool(body, "ignore_eos", False),
-                              stop_token_ids=tuple(stop_ids))
+                              top_k=top_k, max_tokens=max_tokens, seed=seed,
+                              ignore_eos=_bool(body, "ignore_eos", False), stop_token_ids=tuple(stop_ids))
     except ValueError as e:
         raise bad_request(str(e)) from None
 
