@@ -102,7 +102,7 @@ class LLM:
         other._set_speculation(speculative_config)
         other.check_state = self.check_state if check_state is None else check_state
         other._costs = self._costs
-        if other._costs is not None and other._max_step_tokens() > other._costs.table.sizes[-1]:
+        if other._costs is not None and min(other._max_step_tokens(), 128) > other._costs.table.sizes[-1]:
             other._costs = None
         return other
 
@@ -131,7 +131,8 @@ class LLM:
                 raise ValueError("max_num_seqs must be >= 1")
             self.max_num_seqs = max_num_seqs
             self.cache = self.model.new_cache(self.max_model_len, num_slots=max_num_seqs)
-            self._costs = None
+            if self._costs is not None and min(self._max_step_tokens(), 128) > self._costs.table.sizes[-1]:
+                self._costs = None
             self._set_speculation(self.spec)
         self._engine = None
 

@@ -216,8 +216,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec.engine.background import BackgroundEngine
     from verispec.server.app import create_app, run_server
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=spec, check_state=args.check_state)
+    # one full-length KV slot per running request: a 2048-token default keeps 16 slots near 1.5 GB on CPU
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
+              speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
+              scheduler=args.scheduler)
     engine = BackgroundEngine(llm, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
                               max_waiting=args.max_waiting)
     app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key)

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -36,7 +39,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 are greedy (as in vLLM): dividing logits by them overflows to NaN."""
+        return self.temperature < GREEDY_EPS
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -79,13 +79,15 @@ class StepCosts:
         return cls(CostTable.flat())
 
 
-def step_sizes(max_tokens: int) -> tuple[int, ...]:
-    """Block sizes worth profiling up to max_tokens: dense where steps are short, sparser above."""
-    grid = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    return tuple(sorted({s for s in grid if s < max_tokens} | {max_tokens}))
+def step_sizes(max_tokens: int, cap: int = 128) -> tuple[int, ...]:
+    """Block sizes worth profiling up to max_tokens: dense where steps are short, sparser above; beyond `cap` the
+    table extrapolates linearly (large blocks are compute-bound, so their cost grows linearly)."""
+    grid = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
+    top = min(max_tokens, cap)
+    return tuple(sorted({s for s in grid if s < top} | {top}))
 
 
-def profile_step_costs(model: LlamaModel, max_tokens: int, segments: int = 8, repeats: int = 3) -> StepCosts:
+def profile_step_costs(model: LlamaModel, max_tokens: int, segments: int = 8, repeats: int = 2) -> StepCosts:
     """Profile one sequence's block sizes 1..max_tokens, and the extra cost of splitting a block over sequences."""
     table = profile_costs(model, step_sizes(max_tokens), repeats=repeats)
     n = segments

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator
 
 from verispec.engine.core import RequestTooLong
@@ -119,12 +119,18 @@ class BackgroundEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._last_error = ""
+        self._snapshot = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0)
+        self._publish()
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
             self._thread.start()
+
+    def is_alive(self) -> bool:
+        """The worker thread is running (False before start() and after shutdown() or a crash)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -157,15 +163,21 @@ class BackgroundEngine:
         self._wake.set()
 
     def snapshot(self) -> EngineSnapshot:
+        """The engine's state as the worker last published it (after its latest step), plus the inbox."""
+        with self._lock:
+            snap, inbox = self._snapshot, len(self._inbox)
+        return replace(snap, num_waiting=snap.num_waiting + inbox)
+
+    def _publish(self) -> None:  # on the worker thread, between steps
         e = self.engine
         c = e.counters
-        with self._lock:
-            inbox = len(self._inbox)
-        return EngineSnapshot(
-            num_running=len(e.running), num_waiting=len(e.waiting) + inbox, kv_usage=e.kv_usage(),
+        snap = EngineSnapshot(
+            num_running=len(e.running), num_waiting=len(e.waiting), kv_usage=e.kv_usage(),
             kv_tokens=e.kv_tokens(), num_drafts=c.num_drafts, num_draft_tokens=c.num_draft_tokens,
             num_accepted_tokens=c.num_accepted_tokens, accepted_per_pos=list(c.accepted_per_pos),
             num_finished=e.num_finished)
+        with self._lock:
+            self._snapshot = snap
 
     # ---- the worker -------------------------------------------------------------------------------
     def _on_tokens(self, req: Request, tokens: list[int]) -> None:
@@ -191,6 +203,7 @@ class BackgroundEngine:
         while not self._stop:
             self._drain_inbox()
             if not self.engine.has_work():
+                self._publish()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
                 continue
@@ -200,5 +213,7 @@ class BackgroundEngine:
                 log.exception("engine step failed")
                 self._last_error = f"internal error while generating: {type(exc).__name__}: {exc}"
                 self.engine.fail_all(self._last_error)
+            self._publish()
         self._last_error = "the server is shutting down"
         self.engine.fail_all(self._last_error)
+        self._publish()

@@ -227,8 +227,10 @@ def create_app(llm: Any, engine: Any, *, model_name: str | None = None, api_key:
         return served.card()
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not engine.is_alive():
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
