@@ -1,0 +1,647 @@
+"""`verispec bench sweep`: a serving benchmark of any OpenAI-compatible endpoint (verispec serve, vLLM, SGLang,
+llama.cpp's server), optionally paired with a speculation-off baseline endpoint.
+
+Levels: closed loop at fixed concurrency C (C clients, each sends its next request when the previous one ends)
+and/or open loop at Poisson request rates R (seeded exponential inter-arrival times; requests are sent on time
+whatever is in flight). Every level is bounded twice: at most N requests (`--requests-per-level`) and at most S
+seconds (`--max-seconds-per-level`): at S no new request is sent, the ones in flight get a grace period
+(`--grace-seconds`), and what is still running then is cancelled and counted as an error of class "timeout".
+
+Per level: request/s, aggregate output tok/s, goodput, P50/P95/P99 of TTFT, TPOT, per-token ITL, raw inter-chunk
+gap, E2E and time to response headers (definitions: `verispec.bench.client`), errors by class, speculative
+acceptance from the server's /metrics before and after the level (`verispec.bench.promscrape`), and identity: the
+share of requests whose greedy output equals the same prompt's output at the reference level (the lowest
+concurrency, else the lowest rate) of the same endpoint, with the first divergent index. With a baseline, the two
+endpoints run the same prompts level by level, interleaved (A B at one level, B A at the next, ...), and the
+report gives their ratio at every level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from verispec.bench.report import Report, Table, median, percentile, write_report
+
+DEFAULT_CONCURRENCY = "1,8,32,64,128"
+PCTS = (50, 95, 99)
+
+
+# ---- arguments ---------------------------------------------------------------------------------------------
+def _floats(s: str) -> list[float]:
+    try:
+        vals = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not vals or any(v <= 0 or math.isinf(v) or math.isnan(v) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {s!r}")
+    return vals
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    return vals
+
+
+def add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    """The options of `verispec bench sweep`."""
+    p = parser
+    p.add_argument("--endpoint", required=True,
+                   help="the server to measure: its root or /v1 URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--baseline-endpoint", default=None,
+                   help="the same model with speculation off: a paired sweep, with the ratio at every level")
+    p.add_argument("--label", default="spec", help="name of --endpoint in the report (default: %(default)s)")
+    p.add_argument("--baseline-label", default="baseline", help="name of --baseline-endpoint (default: %(default)s)")
+    p.add_argument("--concurrency", type=_ints, default=None,
+                   help=f"closed-loop levels, e.g. {DEFAULT_CONCURRENCY} (the default when no --request-rate)")
+    p.add_argument("--request-rate", type=_floats, default=None,
+                   help="open-loop levels: Poisson arrival rates in requests/s, e.g. 0.5,1,2")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated shipped workload names or JSONL paths (default: every shipped set, mixed)")
+    p.add_argument("--api", default="chat", choices=["chat", "completions"],
+                   help="/v1/chat/completions (messages) or /v1/completions (the messages' text as the prompt)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="output tokens per request (default: each prompt's own max_tokens)")
+    p.add_argument("--requests-per-level", type=int, default=None,
+                   help="requests per level (default: max(64, 2 x concurrency); 64 per rate level)")
+    p.add_argument("--max-seconds-per-level", type=float, default=300.0,
+                   help="stop sending new requests after this many seconds (default: %(default)s)")
+    p.add_argument("--grace-seconds", type=float, default=30.0,
+                   help="then wait this long for requests in flight before cancelling them as timeouts "
+                        "(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every level this many times (ratios: median and min..max over repeats)")
+    p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, seconds")
+    p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, seconds")
+    p.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on E2E latency, seconds")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' to both endpoints (default: $OPENAI_API_KEY)")
+    p.add_argument("--model", default=None, help="model name sent (default: the first id of GET /v1/models)")
+    p.add_argument("--baseline-model", default=None, help="model name sent to the baseline (default: as --model)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default), which makes the identity column meaningful")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (verispec, vLLM, SGLang): every request makes exactly max_tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="per-request HTTP timeout, seconds (default: the level's time limit plus grace)")
+    p.add_argument("--probe-timeout", type=float, default=120.0,
+                   help="the warm-up probe of each endpoint (default: %(default)s s)")
+    p.add_argument("--metrics-timeout", type=float, default=5.0,
+                   help="timeout of each /metrics scrape (default: %(default)s s)")
+    p.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    p.add_argument("--out", default=None, help="report directory (default: reports/sweep-<date-time>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+# ---- levels and prompts ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Level:
+    mode: str  # "concurrency" | "rate"
+    value: float
+    requests: int
+
+    @property
+    def name(self) -> str:
+        return f"c={int(self.value)}" if self.mode == "concurrency" else f"rate={self.value:g}/s"
+
+
+def plan_levels(concurrency: Sequence[int] | None, rates: Sequence[float] | None,
+                requests_per_level: int | None) -> list[Level]:
+    if not concurrency and not rates:
+        concurrency = _ints(DEFAULT_CONCURRENCY)
+    levels = [Level("concurrency", c, requests_per_level or max(64, 2 * c)) for c in concurrency or []]
+    levels += [Level("rate", r, requests_per_level or 64) for r in rates or []]
+    return levels
+
+
+def reference_level(levels: Sequence[Level]) -> Level:
+    closed = [lv for lv in levels if lv.mode == "concurrency"]
+    return min(closed or levels, key=lambda lv: lv.value)
+
+
+def build_pool(workloads: Sequence[str] | None) -> list[Any]:
+    """The prompts of the given workloads, mixed: round-robin over the sets, in file order within each."""
+    from verispec.bench.client import Prompt
+    from verispec.bench.workloads import WORKLOADS, load_workload
+
+    sets = [load_workload(w) for w in (workloads or WORKLOADS)]
+    pool = []
+    for i in range(max(len(s) for s in sets)):
+        for s in sets:
+            if i < len(s):
+                wp = s[i]
+                pool.append(Prompt(wp.id, wp.workload, messages=[dict(m) for m in wp.messages],
+                                   max_tokens=wp.max_tokens))
+    return pool
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """Send times (s from the level start) of n requests at `rate`/s: cumulative exponential gaps, first at 0."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---- one level ---------------------------------------------------------------------------------------------
+@dataclass
+class LevelResult:
+    endpoint: str
+    level: Level
+    repeat: int
+    records: list[Any]
+    duration_s: float
+    spec: dict[str, Any] = field(default_factory=dict)
+    max_in_flight: int = 0
+
+
+async def _scrape_settled(http: Any, url: str, timeout: float, settle_s: float = 5.0) -> Any:
+    """A /metrics snapshot taken once the server reports nothing running or waiting (where it says so), so
+    that the counters include the last step of the level's last request."""
+    from verispec.bench.promscrape import scrape
+
+    deadline = time.perf_counter() + settle_s
+    while True:
+        snap = await scrape(http, url, timeout)
+        if snap is None or snap.busy is None or snap.busy == 0 or time.perf_counter() > deadline:
+            return snap
+        await asyncio.sleep(0.05)
+
+
+async def run_level(client: Any, pool: Sequence[Any], level: Level, *, repeat: int = 0, max_seconds: float,
+                    grace: float, max_tokens: int | None, seed: int, metrics: bool = True,
+                    metrics_timeout: float = 5.0, progress: bool = True) -> LevelResult:
+    """Run one bounded level against `client` (an EndpointClient) and return its records and spec deltas."""
+    from verispec.bench.client import RequestRecord
+    from verispec.bench.promscrape import scrape, spec_delta
+
+    before = await _scrape_settled(client.http, client.base, metrics_timeout) if metrics else None
+    n = level.requests
+    records: list[RequestRecord] = []
+    in_flight = 0
+    max_in_flight = 0
+    bar = _bar(n, f"{client.label} {level.name}" + (f" #{repeat + 1}" if repeat else ""), progress)
+    t0 = time.perf_counter()
+    stop_at = t0 + max_seconds
+
+    async def one(i: int) -> None:
+        nonlocal in_flight, max_in_flight
+        p = pool[i % len(pool)]
+        rec = RequestRecord(i, p.id, p.workload, endpoint=client.label, level=level.name)
+        rec.repeat = repeat + 1
+        records.append(rec)
+        rec.send_at = time.perf_counter() - t0
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+        try:
+            await client.request(p, rec, max_tokens)
+        finally:
+            in_flight -= 1
+            if bar is not None:
+                bar.update(1)
+
+    gauge_samples: list[Any] = []
+    sampler = None
+    if before is not None and before.family == "sglang":  # a gauge: sample it while the level runs
+        async def sample() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                s = await scrape(client.http, client.base, metrics_timeout)
+                if s is not None:
+                    gauge_samples.append(s)
+        sampler = asyncio.create_task(sample())
+
+    tasks: list[asyncio.Task] = []
+    if level.mode == "concurrency":
+        next_i = 0
+
+        async def worker() -> None:
+            nonlocal next_i
+            while next_i < n and time.perf_counter() < stop_at:
+                i, next_i = next_i, next_i + 1
+                await one(i)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(min(int(level.value), n))]
+        await asyncio.wait(tasks, timeout=max(0.0, stop_at + grace - time.perf_counter()))
+    else:
+        arrivals = poisson_arrivals(level.value, n, seed)
+
+        async def dispatch() -> None:
+            for i, at in enumerate(arrivals):
+                if t0 + at >= stop_at:
+                    return
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(i)))
+
+        await dispatch()
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, stop_at + grace - time.perf_counter()))
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    t_end = time.perf_counter()
+    if sampler is not None:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    for rec in records:
+        if rec.status == "pending":
+            rec.fail("timeout", f"cancelled at the level's limit ({max_seconds:g} s + {grace:g} s grace)")
+    if bar is not None:
+        bar.close()
+    after = await _scrape_settled(client.http, client.base, metrics_timeout) if metrics else None
+    records.sort(key=lambda r: r.index)
+    res = LevelResult(client.label, level, repeat, records, t_end - t0, spec_delta(before, after, gauge_samples),
+                      max_in_flight)
+    return res
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=True, dynamic_ncols=True, file=sys.stderr)
+
+
+# ---- summaries ---------------------------------------------------------------------------------------------
+def meets_slo(rec: Any, slo_ttft: float | None, slo_tpot: float | None, slo_e2e: float | None) -> bool:
+    """A completed request within every SLO given (TPOT is not defined for one output token: no constraint)."""
+    if not rec.ok:
+        return False
+    if slo_ttft is not None and not rec.ttft_s <= slo_ttft:
+        return False
+    if slo_tpot is not None and not math.isnan(rec.tpot_s) and not rec.tpot_s <= slo_tpot:
+        return False
+    if slo_e2e is not None and not rec.e2e_s <= slo_e2e:
+        return False
+    return True
+
+
+def summarize(res: LevelResult, slo: tuple[float | None, float | None, float | None] = (None, None, None)
+              ) -> dict[str, Any]:
+    """One summary row: throughput over the level's wall time, latency percentiles over completed requests
+    (per-token ITL and raw gaps pooled over every gap of every completed request), errors by class, spec and
+    identity."""
+    recs = res.records
+    ok = [r for r in recs if r.ok]
+    dur = res.duration_s
+    row: dict[str, Any] = {
+        "endpoint": res.endpoint, "level": res.level.name, "repeat": res.repeat + 1,
+        "sent": len(recs), "completed": len(ok), "errors": len(recs) - len(ok),
+        "errors_by_class": " ".join(f"{k}={v}" for k, v in sorted(Counter(r.error_class for r in recs
+                                                                            if not r.ok).items())) or "-",
+        "max_in_flight": res.max_in_flight, "duration_s": dur,
+        "req_per_s": len(ok) / dur if dur > 0 else float("nan"),
+        "out_tok_per_s": sum(r.n_out for r in ok) / dur if dur > 0 else float("nan"),
+        "goodput_req_per_s": sum(meets_slo(r, *slo) for r in recs) / dur if dur > 0 else float("nan"),
+    }
+    series = {
+        "ttft_ms": [r.ttft_s * 1e3 for r in ok],
+        "tpot_ms": [r.tpot_s * 1e3 for r in ok],
+        "itl_ms": [x * 1e3 for r in ok for x in r.itl_s],
+        "gap_ms": [x * 1e3 for r in ok for x in r.chunk_gaps_s],
+        "e2e_s": [r.e2e_s for r in ok],
+        "headers_ms": [r.headers_s * 1e3 for r in ok],
+    }
+    for name, xs in series.items():
+        base, unit = name.rsplit("_", 1)
+        for q in PCTS:
+            row[f"{base}_p{q}_{unit}"] = percentile(xs, q)
+    s = res.spec
+    row.update({"tau": s.get("tau", float("nan")), "acceptance_rate": s.get("acceptance_rate", float("nan")),
+                "drafts": s.get("drafts", float("nan")), "draft_tokens": s.get("draft_tokens", float("nan")),
+                "accepted": s.get("accepted", float("nan"))})
+    compared = [r for r in ok if r.identical is not None]
+    row["identity"] = sum(r.identical for r in compared) / len(compared) if compared else float("nan")
+    row["identity_n"] = len(compared)
+    divs = [r.first_divergence for r in compared if not r.identical and r.first_divergence is not None]
+    row["first_divergence_min"] = min(divs) if divs else "-"
+    base_cmp = [r for r in ok if r.identical_to_baseline is not None]
+    if base_cmp:
+        row["identity_vs_baseline"] = sum(r.identical_to_baseline for r in base_cmp) / len(base_cmp)
+    return row
+
+
+def first_divergence(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """Index of the first element where a and b differ (the shorter length if one is a prefix); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _output(rec: Any) -> tuple[str, Sequence[Any]]:
+    return ("tokens", rec.token_ids) if rec.token_ids is not None else ("chars", rec.text)
+
+
+def mark_identity(results: Sequence[LevelResult], ref: Level, baseline: Sequence[LevelResult] = ()) -> None:
+    """Compare every completed request with the same prompt's first completed output at the reference level of
+    the same endpoint (repeat 1), and, with a baseline, with the baseline's reference output. Token ids where
+    both sides have them, else text (first divergence then counts characters)."""
+
+    def refs(rs: Sequence[LevelResult]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for res in rs:
+            if res.level == ref and res.repeat == 0:
+                for r in res.records:
+                    if r.ok:
+                        out.setdefault(r.prompt_id, r)
+        return out
+
+    own, base = refs(results), refs(baseline)
+    for res in results:
+        for r in res.records:
+            if not r.ok:
+                continue
+            for table, attr in ((own, "identical"), (base, "identical_to_baseline")):
+                other = table.get(r.prompt_id)
+                if other is None:
+                    continue
+                (ua, a), (ub, b) = _output(r), _output(other)
+                if ua != ub:
+                    a, b = r.text, other.text
+                div = first_divergence(a, b)
+                setattr(r, attr, div is None)
+                if attr == "identical":
+                    r.first_divergence = div
+
+
+def ratio_rows(spec: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level: spec / baseline for throughputs, baseline / spec for latencies (so > 1 means speculation
+    helps), as the median and min..max over repeats of per-repeat ratios."""
+    keys = [("out_tok_per_s", False), ("req_per_s", False), ("goodput_req_per_s", False),
+            ("tpot_p50_ms", True), ("ttft_p50_ms", True), ("e2e_p50_s", True), ("itl_p50_ms", True)]
+    by_level: dict[str, dict[int, tuple[dict, dict]]] = {}
+    for s in spec:
+        by_level.setdefault(s["level"], {})[s["repeat"]] = (s, {})
+    for b in base:
+        if b["repeat"] in by_level.get(b["level"], {}):
+            by_level[b["level"]][b["repeat"]] = (by_level[b["level"]][b["repeat"]][0], b)
+    rows = []
+    for level, reps in by_level.items():
+        row: dict[str, Any] = {"level": level, "repeats": len(reps)}
+        for key, inverse in keys:
+            rs = []
+            for s, b in reps.values():
+                if not b:
+                    continue
+                num, den = (b.get(key), s.get(key)) if inverse else (s.get(key), b.get(key))
+                if num is not None and den and not math.isnan(num) and not math.isnan(den):
+                    rs.append(num / den)
+            name = key.replace("_per_s", "").replace("_p50", "_p50")
+            name = ("speedup_" + name) if inverse else ("ratio_" + name)
+            row[name] = statistics.median(rs) if rs else float("nan")
+            row[name + "_range"] = f"{min(rs):.3g}..{max(rs):.3g}" if len(rs) > 1 else "-"
+        s0, b0 = next(iter(reps.values()))
+        row["tau"] = s0.get("tau", float("nan"))
+        row["identity_vs_baseline"] = s0.get("identity_vs_baseline", float("nan"))
+        rows.append(row)
+    return rows
+
+
+# ---- figures -----------------------------------------------------------------------------------------------
+def _median_rows(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["endpoint"], r["level"]), []).append(r)
+    for k, rs in groups.items():
+        out[k] = {key: median([r[key] for r in rs if isinstance(r[key], (int, float))])
+                  for key in ("out_tok_per_s", "tpot_p50_ms", "e2e_p50_s", "tau")}
+    return out
+
+
+def figures(rows: Sequence[dict[str, Any]], levels: Sequence[Level], endpoints: Sequence[str]) -> dict[str, Any]:
+    from matplotlib.figure import Figure
+
+    med = _median_rows(rows)
+    figs: dict[str, Any] = {}
+    fig = Figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, 2)
+    for ax, xkey, xlabel in ((axes[0], "tpot_p50_ms", "P50 TPOT (ms)"), (axes[1], "e2e_p50_s", "P50 E2E (s)")):
+        for ep in endpoints:
+            for mode, marker in (("concurrency", "o-"), ("rate", "s--")):
+                names = [lv.name for lv in levels if lv.mode == mode and (ep, lv.name) in med]
+                pts = [(med[(ep, n)][xkey], med[(ep, n)]["out_tok_per_s"], n) for n in names]
+                pts = [p for p in pts if not (math.isnan(p[0]) or math.isnan(p[1]))]
+                if not pts:
+                    continue
+                label = f"{ep} ({'closed loop' if mode == 'concurrency' else 'Poisson'})"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, label=label)
+                for x, y, name in pts:
+                    ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("aggregate output tok/s")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    fig.suptitle("Throughput against latency, one line per endpoint")
+    figs["throughput_latency"] = fig
+
+    fig = Figure(figsize=(8, 3.8))
+    ax = fig.subplots()
+    names = [lv.name for lv in levels]
+    width = 0.8 / max(1, len(endpoints))
+    for j, ep in enumerate(endpoints):
+        taus = [med.get((ep, n), {}).get("tau", float("nan")) for n in names]
+        xs = [i + (j - (len(endpoints) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, [0 if math.isnan(t) else t for t in taus], width, label=ep)
+        for x, t in zip(xs, taus):
+            ax.annotate("n/a" if math.isnan(t) else f"{t:.2f}", (x, 0 if math.isnan(t) else t), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("tau = 1 + accepted / drafts")
+    ax.set_title("Mean acceptance length per level (server /metrics deltas)")
+    ax.legend(fontsize=8)
+    figs["tau"] = fig
+    return figs
+
+
+# ---- the sweep ---------------------------------------------------------------------------------------------
+def run_sweep(args: argparse.Namespace) -> int:
+    """Run the sweep described by `args` (see `add_sweep_args`) and write the report. 0 when some request of the
+    sweep completed, 1 when none did (the report is written either way), 2 on a setup error."""
+    try:
+        return asyncio.run(_sweep(args))
+    except (ValueError, RuntimeError) as e:
+        print(f"verispec bench sweep: error: {e}", file=sys.stderr)
+        return 2
+
+
+async def _sweep(args: argparse.Namespace) -> int:
+    from verispec.bench.client import EndpointClient
+
+    levels = plan_levels(args.concurrency, args.request_rate, args.requests_per_level)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads else None
+    pool = build_pool(workloads)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    req_timeout = args.request_timeout or (args.max_seconds_per_level + args.grace_seconds + 5)
+    max_conn = max([int(lv.value) for lv in levels if lv.mode == "concurrency"] + [64]) * 2
+    endpoints = [(args.label, args.endpoint, args.model)]
+    if args.baseline_endpoint:
+        endpoints.append((args.baseline_label, args.baseline_endpoint, args.baseline_model or args.model))
+    clients = [EndpointClient(url, api=args.api, model=model, api_key=args.api_key, max_connections=max_conn,
+                              request_timeout=req_timeout, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                              label=label) for label, url, model in endpoints]
+    progress = not args.no_progress
+    say = _say(progress)
+    try:
+        for c in clients:
+            try:
+                model = await c.resolve_model(timeout=args.probe_timeout)
+            except Exception as e:  # noqa: BLE001 - any failure to list models is a setup error
+                raise RuntimeError(f"cannot read {c.base}/v1/models ({type(e).__name__}: {e}); is the server up? "
+                                   "(or pass --model)") from None
+            caps = await c.probe(pool[0], timeout=args.probe_timeout)
+            say(f"{c.label}: {c.base}, model {model!r}, token counts from {caps.token_source}"
+                + (f" ({caps.note})" if caps.note else ""))
+        results: dict[str, list[LevelResult]] = {c.label: [] for c in clients}
+        for rep in range(args.repeats):
+            for j, level in enumerate(levels):
+                order = clients if (j + rep) % 2 == 0 else clients[::-1]
+                for c in order:
+                    res = await run_level(c, pool, level, repeat=rep, max_seconds=args.max_seconds_per_level,
+                                          grace=args.grace_seconds, max_tokens=args.max_tokens,
+                                          seed=args.seed + j, metrics=not args.no_metrics,
+                                          metrics_timeout=args.metrics_timeout, progress=progress)
+                    results[c.label].append(res)
+                    row = summarize(res)
+                    say(f"{c.label} {level.name}: {row['completed']}/{row['sent']} ok, {row['req_per_s']:.2f} req/s, "
+                        f"{row['out_tok_per_s']:.1f} tok/s, P50 TPOT {row['tpot_p50_ms']:.1f} ms, "
+                        f"tau {row['tau']:.2f}, errors {row['errors_by_class']}")
+    finally:
+        for c in clients:
+            await c.aclose()
+    ref = reference_level(levels)
+    base_label = clients[1].label if len(clients) > 1 else None
+    for label, rs in results.items():
+        mark_identity(rs, ref, results[base_label] if base_label and label != base_label else ())
+    out = Path(args.out) if args.out else Path("reports") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    rep = build_report(args, levels, ref, clients, results, pool)
+    paths = write_report(rep, out)
+    say(f"report: {paths['md']} (also {paths['html'].name}, {paths['json'].name}, {paths['csv'].name}, PNGs)")
+    completed = sum(r.ok for rs in results.values() for res in rs for r in res.records)
+    return 0 if completed else 1
+
+
+def _say(progress: bool):
+    def say(msg: str) -> None:
+        if progress:
+            from tqdm import tqdm
+
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr)
+    return say
+
+
+def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, clients: Sequence[Any],
+                 results: dict[str, list[LevelResult]], pool: Sequence[Any]) -> Report:
+    slo = (args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    rows = [summarize(res, slo) for rs in results.values() for res in rs]
+    closed = [lv for lv in levels if lv.mode == "concurrency"]
+    rates = [lv for lv in levels if lv.mode == "rate"]
+    conc = []
+    if closed:
+        conc.append("closed loop at concurrency " + ", ".join(str(int(lv.value)) for lv in closed)
+                    + " (C clients; each sends its next request when its previous one ends)")
+    if rates:
+        conc.append("open loop, Poisson arrivals at " + ", ".join(f"{lv.value:g}" for lv in rates)
+                    + f" req/s (seed {args.seed} + level index; requests are sent on time whatever is in flight)")
+    bounds = (f"every level at most {', '.join(sorted({str(lv.requests) for lv in levels}))} requests and "
+              f"{args.max_seconds_per_level:g} s of sending, then {args.grace_seconds:g} s of grace; requests "
+              "cancelled then count as errors of class 'timeout'")
+    metric = ("aggregate output tok/s = output tokens of completed requests / level wall time (first send to last "
+              "end); request/s = completed requests / wall time; goodput = completed requests within every SLO "
+              "given / wall time; P50/P95/P99 of TTFT (first output chunk - send), TPOT ((E2E - TTFT) / (N_out - 1), "
+              "N_out > 1), per-token ITL (inter-chunk gap / tokens in the chunk, one value per token), raw "
+              "inter-chunk gap, E2E (last output chunk - send) and time to response headers, over completed "
+              "requests, measured by this client; tau = 1 + accepted / drafts and acceptance rate = accepted / "
+              "drafted from the server's /metrics before and after the level")
+    if len(clients) > 1:
+        baseline = (f"{clients[1].label} = {clients[1].base} (model {clients[1].model!r}), meant to be the same "
+                    f"target with speculation off; same prompts, same run, levels interleaved (A B, then B A); "
+                    "ratios at every level")
+    else:
+        baseline = ("none: one endpoint only, no speculation-off comparison; identity is against this endpoint's "
+                    f"own {ref.name} output")
+    slo_txt = ", ".join(f"{k} <= {v:g} s" for k, v in zip(("TTFT", "TPOT", "E2E"), slo) if v is not None)
+    notes = [
+        "Endpoints: " + "; ".join(f"{c.label} = {c.base} (model {c.model!r}, {args.api} API, token counts from "
+                                  f"{c.caps.token_source}{': ' + c.caps.note if c.caps.note else ''})"
+                                  for c in clients),
+        f"Prompts: {len(pool)} from {args.workloads or 'every shipped workload'}, mixed round-robin; request i of "
+        f"every level sends prompt i mod {len(pool)}; max_tokens {args.max_tokens or 'per prompt'}; temperature "
+        f"{args.temperature:g}{'; ignore_eos' if args.ignore_eos else ''}.",
+        "Goodput SLOs: " + (slo_txt if slo_txt else "none given, so goodput = request/s") + ".",
+        f"Identity: share of completed requests whose output equals the same prompt's output at {ref.name} "
+        "(repeat 1) of the same endpoint; compared as token ids where the server returns them, else as text "
+        "(first divergence then in characters). At temperature > 0 it measures nothing.",
+        "Token counts: 'token_ids' = ids returned per chunk (exact); 'continuous_usage' = per-chunk usage (exact); "
+        "'usage_total' = exact total from the usage chunk, split evenly over chunks for ITL; 'chunks' = one token "
+        "per chunk (an undercount where chunks carry several tokens). Never re-tokenised.",
+        "Per-position acceptance = accepted at position i / drafts (vLLM's convention). SGLang exports gauges "
+        "(sglang:spec_accept_length / sglang:spec_accept_rate), not counters: its tau is the value at the level's "
+        "end, not a delta.",
+        "Time to response headers is the closest a client gets to queueing time; servers that send headers before "
+        "scheduling (verispec, vLLM) make it an upper bound on admission, not the wait for a batch slot.",
+    ]
+    lat_keys = [k for k in rows[0] if any(k.endswith(f"_p{q}_{u}") for q in PCTS for u in ("ms", "s"))] if rows else []
+    tables = [Table("Throughput, errors, speculation and identity per endpoint and level",
+                    [{k: v for k, v in r.items() if k not in lat_keys} for r in rows],
+                    "req_per_s, out_tok_per_s and goodput over the level's wall time; tau, acceptance_rate, drafts, "
+                    "draft_tokens and accepted are /metrics deltas over the level."),
+              Table("Latency percentiles per endpoint and level",
+                    [{"endpoint": r["endpoint"], "level": r["level"], "repeat": r["repeat"],
+                      **{k: r[k] for k in lat_keys}} for r in rows],
+                    "Over completed requests (per-token ITL and raw gaps: over every gap of them); ms unless the "
+                    "column says s.")]
+    if len(clients) > 1:
+        spec_rows = [r for r in rows if r["endpoint"] == clients[0].label]
+        base_rows = [r for r in rows if r["endpoint"] == clients[1].label]
+        tables.append(Table(f"{clients[0].label} against {clients[1].label}, per level",
+                            ratio_rows(spec_rows, base_rows),
+                            "ratio_* = method / baseline (throughput), speedup_* = baseline / method (latency): "
+                            "> 1 means speculation helps. Median over repeats, min..max when more than one."))
+    pos_rows = []
+    width = max((len(res.spec.get("per_pos_accepted") or []) for rs in results.values() for res in rs), default=0)
+    for rs in results.values():
+        for res in rs:
+            acc, cnt = res.spec.get("per_pos_acceptance") or [], res.spec.get("per_pos_accepted") or []
+            if acc:
+                pos_rows.append({"endpoint": res.endpoint, "level": res.level.name, "repeat": res.repeat + 1,
+                                 "drafts": res.spec["drafts"],
+                                 **{f"pos{i}": acc[i] if i < len(acc) else 0.0 for i in range(width)},
+                                 **{f"accepted_pos{i}": cnt[i] if i < len(cnt) else 0.0 for i in range(width)}})
+    if pos_rows:
+        tables.append(Table("Per-position acceptance", pos_rows,
+                            "pos<i> = draft tokens accepted at position i / drafts; accepted_pos<i> = the count "
+                            "(/metrics deltas over the level)."))
+    records = [r.as_dict() for rs in results.values() for res in rs for r in res.records]
+    cond = {"concurrency": "; ".join(conc) + f". {bounds[0].upper() + bounds[1:]}.", "metric": metric,
+            "baseline": baseline}
+    title = "Serving sweep: " + " vs ".join(c.label for c in clients)
+    return Report(title, cond, tables, records, figures(rows, levels, [c.label for c in clients]), notes)

@@ -1,0 +1,286 @@
+"""`verispec bench sweep` against a live server on a tiny random Llama, and against a server that never answers.
+
+Oracles: the engine's own per-request speculative accounting and its counters read directly (for the /metrics
+deltas), exact token counts from `ignore_eos` (for the per-request records), hand-computed percentiles, literal
+Prometheus texts in the three name families, and the wall clock (a bounded level stops by itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_server import live, make_app, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+from verispec.bench.client import RequestRecord, finalize
+from verispec.bench.promscrape import parse_spec_metrics, spec_delta
+from verispec.bench.sweep import (Level, LevelResult, add_sweep_args, first_divergence, poisson_arrivals,
+                                  run_sweep, summarize)
+
+MAX_TOKENS = 10
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_sweep_args(ap)
+    return ap.parse_args(argv)
+
+
+# ---- Prometheus parsing: the three name families ------------------------------------------------------------
+VERISPEC = """# HELP verispec:spec_decode_num_drafts Speculative steps that verified at least one draft token.
+# TYPE verispec:spec_decode_num_drafts counter
+verispec:spec_decode_num_drafts_total {d}
+# TYPE verispec:spec_decode_num_draft_tokens counter
+verispec:spec_decode_num_draft_tokens_total {t}
+# TYPE verispec:spec_decode_num_accepted_tokens counter
+verispec:spec_decode_num_accepted_tokens_total {a}
+# TYPE verispec:spec_decode_num_accepted_tokens_per_pos counter
+verispec:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {p0}
+verispec:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {p1}
+# TYPE verispec:num_requests_running gauge
+verispec:num_requests_running 0.0
+"""
+VLLM = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 7.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 3.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 25.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="3"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+"""
+SGLANG = """# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{model_name="m",tp_rank="0"} 3.5
+sglang:spec_accept_length{model_name="m",tp_rank="1"} 2.5
+# HELP sglang:spec_accept_rate The average acceptance rate of speculative decoding.
+# TYPE sglang:spec_accept_rate gauge
+sglang:spec_accept_rate{model_name="m",tp_rank="0"} 0.6
+"""
+
+
+def test_prometheus_parsing_of_three_families() -> None:
+    before = parse_spec_metrics(VERISPEC.format(d=4, t=16, a=6, p0=4, p1=2))
+    after = parse_spec_metrics(VERISPEC.format(d=10, t=40, a=21, p0=9, p1=7) + "# TYPE other counter\nother_total 1\n")
+    assert (after.family, after.drafts, after.draft_tokens, after.accepted, after.busy) == ("verispec", 10, 40, 21, 0)
+    d = spec_delta(before, after)
+    assert (d["drafts"], d["draft_tokens"], d["accepted"]) == (6, 24, 15)
+    assert d["acceptance_rate"] == 15 / 24 and d["tau"] == 1 + 15 / 6
+    assert d["per_pos_accepted"] == [5, 5] and d["per_pos_acceptance"] == [5 / 6, 5 / 6]
+
+    v = parse_spec_metrics(VLLM)  # series of both engines summed; _created samples ignored
+    assert (v.family, v.drafts, v.draft_tokens, v.accepted, v.busy) == ("vllm", 10, 40, 25, 2)
+    assert v.per_pos == {0: 9, 1: 8, 2: 5, 3: 3}
+    d = spec_delta(parse_spec_metrics(VLLM.replace(" 7.0", " 2.0").replace(" 40.0", " 20.0")), v)
+    assert (d["drafts"], d["draft_tokens"], d["tau"]) == (5, 20, 1 + 0 / 5)  # nothing accepted in between
+
+    s = parse_spec_metrics(SGLANG)
+    assert s.family == "sglang" and s.gauges == {"accept_length": 3.0, "accept_rate": 0.6}
+    d = spec_delta(s, s, [s, parse_spec_metrics(SGLANG.replace("3.5", "5.5"))])
+    assert d["tau"] == 3.0 and d["acceptance_rate"] == 0.6 and d["tau_sampled_mean"] == 3.5
+    assert d["spec_source"].startswith("sglang")
+
+    nothing = parse_spec_metrics("# TYPE up gauge\nup 1\n")
+    assert nothing.family is None and math.isnan(spec_delta(nothing, nothing)["tau"])
+    restarted = spec_delta(after, before)  # counters went backwards
+    assert math.isnan(restarted["tau"]) and "restarted" in restarted["spec_source"]
+
+
+# ---- per-request timing and level summaries, against hand-computed values -------------------------------------
+def rec(i: int, times: list[float], tokens: list[int], *, status: str = "ok", err: str | None = None,
+        headers: float = 0.01) -> RequestRecord:
+    r = RequestRecord(i, f"p{i}", "w", token_source="token_ids", chunk_tokens=list(tokens), headers_s=headers)
+    finalize(r, 0.0, times, None)
+    r.status, r.error_class = status, err
+    return r
+
+
+def test_finalize_and_summary_percentiles_by_hand() -> None:
+    # chunks at 0.1 s (1 token), 0.3 s (3 tokens: speculation), 0.4 s (1 token)
+    r = rec(0, [0.1, 0.3, 0.4], [1, 3, 1])
+    assert r.n_out == 5 and r.ttft_s == 0.1 and r.e2e_s == 0.4
+    assert r.tpot_s == pytest.approx((0.4 - 0.1) / 4)
+    assert r.chunk_gaps_s == pytest.approx([0.2, 0.1])
+    assert r.itl_s == pytest.approx([0.2 / 3] * 3 + [0.1])  # one ITL per token of the chunk, gap / 3 each
+
+    recs = [rec(0, [0.1, 0.3, 0.4], [1, 3, 1]),  # ttft 0.1, e2e 0.4, tpot 0.075
+            rec(1, [0.2, 0.4], [1, 1]),  # ttft 0.2, e2e 0.4, tpot 0.2
+            rec(2, [0.5], [1]),  # one token: no TPOT
+            rec(3, [0.3, 0.9], [1, 2]),  # ttft 0.3, e2e 0.9, tpot 0.3
+            rec(4, [], [], status="error", err="timeout"),
+            rec(5, [], [], status="error", err="http_503")]
+    res = LevelResult("ep", Level("concurrency", 4, 6), 0, recs, duration_s=2.0)
+    row = summarize(res, (0.25, None, 0.8))  # TTFT <= 0.25 and E2E <= 0.8: requests 0 and 1
+    assert (row["sent"], row["completed"], row["errors"]) == (6, 4, 2)
+    assert row["errors_by_class"] == "http_503=1 timeout=1"
+    assert row["req_per_s"] == 2.0 and row["out_tok_per_s"] == (5 + 2 + 1 + 3) / 2.0
+    assert row["goodput_req_per_s"] == 1.0
+    # TTFT over completed: 100, 200, 300, 500 ms; linear interpolation at (n-1) q / 100
+    assert row["ttft_p50_ms"] == pytest.approx(250.0)
+    assert row["ttft_p95_ms"] == pytest.approx(300 + 0.85 * 200)
+    assert row["ttft_p99_ms"] == pytest.approx(300 + 0.97 * 200)
+    # TPOT: 75, 200, 300 ms (request 2 has none)
+    assert row["tpot_p50_ms"] == pytest.approx(200.0) and row["tpot_p99_ms"] == pytest.approx(200 + 0.98 * 100)
+    # per-token ITL pooled: 66.7 x3, 100, 200, 300 (request 3: a 0.6 s gap over 2 tokens) x2
+    itl = sorted([200 / 3] * 3 + [100, 200] + [300] * 2)
+    assert row["itl_p50_ms"] == pytest.approx(itl[3])
+    assert row["itl_p95_ms"] == pytest.approx(itl[5] + 0.7 * (itl[6] - itl[5]))
+    assert row["gap_p50_ms"] == pytest.approx(200.0)  # raw gaps 200, 100, 200, 600
+    assert row["e2e_p50_s"] == pytest.approx(0.45) and row["headers_p50_ms"] == pytest.approx(10.0)
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
+    a, b = poisson_arrivals(2.0, 200, seed=3), poisson_arrivals(2.0, 200, seed=3)
+    assert a == b and a[0] == 0 and 60 < a[-1] < 140  # seeded; mean gap 0.5 s
+
+
+# ---- a live sweep -------------------------------------------------------------------------------------------
+def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    # the target as its own draft model: every step drafts (and, at fp32, nearly every draft token is accepted)
+    app, engine = make_app(tiny_dir, speculative_config={"method": "draft_model", "model": str(tiny_dir),
+                                                         "num_speculative_tokens": 3, "adaptive": False},
+                           max_num_seqs=4)
+    streams = []
+    submit = engine.submit
+
+    def spy(prompt_ids, params, request_id=None):
+        s = submit(prompt_ids, params, request_id)
+        streams.append((params.max_tokens, s))
+        return s
+
+    engine.submit = spy
+    # a user's JSONL next to a shipped set (prompts mixed round-robin)
+    work = tmp_path / "repeat.jsonl"
+    work.write_text("".join(json.dumps({"id": f"rep-{i}", "prompt": "Continue: " + " ".join(
+        str(10 + i + j % 5) for j in range(40))}) + "\n" for i in range(4)))
+    out = tmp_path / "rep"
+    with live(app) as url:
+        snap0 = engine.snapshot()
+        args = parse(["--endpoint", url + "/v1", "--concurrency", "1,4", "--request-rate", "20",
+                      "--requests-per-level", "8", "--max-tokens", str(MAX_TOKENS), "--ignore-eos",
+                      "--workloads", f"{work},code", "--no-progress", "--out", str(out),
+                      "--max-seconds-per-level", "60", "--slo-ttft", "30"])
+        t = time.monotonic()
+        assert run_sweep(args) == 0
+        took = time.monotonic() - t
+        snap1 = engine.snapshot()
+    for name in ("report.json", "report.csv", "report.md", "report.html", "throughput_latency.png", "tau.png"):
+        assert (out / name).stat().st_size > 200, name
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["conditions"]) == {"concurrency", "metric", "baseline"}
+    md = (out / "report.md").read_text()
+    assert "concurrency 1, 4" in md and "Poisson" in md and "TPOT" in md
+
+    records = rep["records"]
+    assert len(records) == 3 * 8 and {r["level"] for r in records} == {"c=1", "c=4", "rate=20/s"}
+    for r in records:
+        assert r["status"] == "ok" and r["error_class"] is None, r
+        assert r["token_source"] == "token_ids" and r["n_out"] == MAX_TOKENS and len(r["token_ids"]) == MAX_TOKENS
+        assert sum(r["chunk_tokens"]) == MAX_TOKENS and r["n_chunks"] == len(r["chunk_tokens"])
+        assert len(r["itl_s"]) == MAX_TOKENS - r["chunk_tokens"][0] and len(r["chunk_gaps_s"]) == r["n_chunks"] - 1
+        assert 0 < r["headers_s"] <= r["ttft_s"] <= r["e2e_s"] <= r["stream_end_s"] < took
+        assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (MAX_TOKENS - 1), abs=1e-5)
+        assert r["identical"] is True and r["first_divergence"] is None  # fp32 greedy: same as at c=1
+        assert r["prompt_tokens"] > 0 and r["finish_reason"] == "length"
+
+    rows = [dict(a, **b) for a, b in zip(rep["tables"][0]["rows"], rep["tables"][1]["rows"])]
+    assert [r["level"] for r in rows] == ["c=1", "c=4", "rate=20/s"]
+    for row in rows:
+        assert row["completed"] == 8 and row["errors_by_class"] == "-" and row["identity"] == 1.0
+        assert row["out_tok_per_s"] == pytest.approx(8 * MAX_TOKENS / row["duration_s"])
+        assert row["goodput_req_per_s"] == pytest.approx(row["req_per_s"])
+    assert max(r["max_in_flight"] for r in rows if r["level"] == "c=4") <= 4
+    assert rows[0]["max_in_flight"] == 1
+
+    # /metrics deltas over the levels == the engine's per-request accounting of those requests == its counters
+    bench = [s.stats for m, s in streams if m == MAX_TOKENS]
+    probe = [s.stats for m, s in streams if m != MAX_TOKENS]
+    assert len(bench) == 24
+    drafts = sum(r["drafts"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    draft_tokens = sum(r["draft_tokens"] for r in rows)
+    assert draft_tokens == sum(s["num_draft_tokens"] for s in bench) > 24
+    assert accepted == sum(s["num_accepted_tokens"] for s in bench) > 0
+    probe_tokens = sum(s["num_draft_tokens"] for s in probe)
+    assert draft_tokens == snap1.num_draft_tokens - snap0.num_draft_tokens - probe_tokens
+    assert accepted == snap1.num_accepted_tokens - snap0.num_accepted_tokens - sum(
+        s["num_accepted_tokens"] for s in probe)
+    assert drafts <= snap1.num_drafts - snap0.num_drafts
+    assert drafts == sum(s._req.spec.drafted_at[0] for m, s in streams if m == MAX_TOKENS)
+    pos_table = next(t["rows"] for t in rep["tables"] if t["title"] == "Per-position acceptance")
+    per_pos = [sum(r[f"accepted_pos{i}"] for r in pos_table) for i in range(3)]
+    assert per_pos == [sum(s._req.spec.accepted_at[i] for m, s in streams if m == MAX_TOKENS) for i in range(3)]
+    for row in rows:
+        assert row["tau"] == pytest.approx(1 + row["accepted"] / row["drafts"]) and row["tau"] > 1.5
+
+
+# ---- a server that never answers ----------------------------------------------------------------------------
+class HangingServer:
+    """Accepts connections, reads the request, and never answers (not even headers)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.connections = 0
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while await reader.read(65536):
+                pass
+        finally:
+            writer.close()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_bounded_levels_stop_by_themselves_against_a_server_that_never_answers(tmp_path: Path) -> None:
+    out = tmp_path / "hang"
+    with HangingServer() as url:
+        args = parse(["--endpoint", url, "--model", "m", "--concurrency", "3", "--request-rate", "20",
+                      "--requests-per-level", "6", "--max-seconds-per-level", "1", "--grace-seconds", "0.5",
+                      "--probe-timeout", "0.5", "--metrics-timeout", "0.3", "--no-progress", "--out", str(out)])
+        t = time.monotonic()
+        rc = run_sweep(args)
+        took = time.monotonic() - t
+    assert rc == 1  # nothing completed
+    assert took < 0.5 + 2 * (1 + 0.5) + 3, took  # probe + two bounded levels + scrapes
+    rep = json.loads((out / "report.json").read_text())
+    rows = {r["level"]: r for r in rep["tables"][0]["rows"]}
+    assert rows["c=3"]["sent"] == 3  # three clients, each stuck on its first request
+    assert rows["c=3"]["errors_by_class"] == "timeout=3" and rows["c=3"]["completed"] == 0
+    assert 1 <= rows["c=3"]["duration_s"] <= 1.5 + 0.5
+    arrivals = [t for t in poisson_arrivals(20, 6, args.seed + 1) if t < 1]
+    rate = rows["rate=20/s"]
+    assert rate["sent"] == len(arrivals) and rate["errors_by_class"] == f"timeout={len(arrivals)}"
+    assert all(r["error_class"] == "timeout" and "cancelled" in r["error"] for r in rep["records"])
+    assert math.isnan(rows["c=3"]["tau"]) and rows["c=3"]["identity_n"] == 0
