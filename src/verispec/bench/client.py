@@ -266,6 +266,9 @@ class EndpointClient:
                 self.caps = Capabilities(probed=False, note=f"probe timed out after {timeout:g} s: no extensions "
                                                             "used, tokens counted from chunks")
                 return self.caps
+            if rec.http_status in (401, 403, 404):
+                raise RuntimeError(f"{self.base}{self.path} answered HTTP {rec.http_status}: {rec.error} "
+                                   "(check --api-key, --model and the URL)")
             if rec.error_class and rec.error_class.startswith("http_4"):
                 notes.append(f"rejected {sorted(extras)} ({rec.http_status})")
                 continue
