@@ -23,7 +23,8 @@ server accepts.
 
 Error classes: `http_<status>` (the server answered an error status), `timeout` (the request's own timeout, or
 cancelled at the end of a bounded benchmark level), `connection` (could not connect / connection dropped),
-`stream` (malformed SSE, an error event in the stream, or a stream that ended without `[DONE]`).
+`stream` (malformed SSE, an error event in the stream, or a stream that ended without `[DONE]`), and `client`
+(anything else that failed on this side, recorded by the sweep rather than lost).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import httpx
 
 TOKEN_SOURCES = ("token_ids", "continuous_usage", "usage_total", "chunks")
-ERROR_CLASSES = ("timeout", "connection", "stream")  # plus http_<status>
+ERROR_CLASSES = ("timeout", "connection", "stream", "client")  # plus http_<status>
 
 
 def base_url(url: str) -> str:

@@ -213,6 +213,8 @@ async def run_level(client: Any, pool: Sequence[Any], level: Level, *, repeat: i
         max_in_flight = max(max_in_flight, in_flight)
         try:
             await client.request(p, rec, max_tokens)
+        except Exception as e:  # noqa: BLE001 - a client-side failure is this request's error, not the level's
+            rec.fail("client", f"{type(e).__name__}: {e}")
         finally:
             in_flight -= 1
             if bar is not None:
@@ -498,6 +500,10 @@ async def _sweep(args: argparse.Namespace) -> int:
         raise ValueError("--max-tokens must be >= 1")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    if args.requests_per_level is not None and args.requests_per_level < 1:
+        raise ValueError("--requests-per-level must be >= 1")
+    if args.max_seconds_per_level <= 0 or args.grace_seconds < 0:
+        raise ValueError("need --max-seconds-per-level > 0 and --grace-seconds >= 0")
     req_timeout = args.request_timeout or (args.max_seconds_per_level + args.grace_seconds + 5)
     max_conn = max([int(lv.value) for lv in levels if lv.mode == "concurrency"] + [64]) * 2
     endpoints = [(args.label, args.endpoint, args.model)]
