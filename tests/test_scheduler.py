@@ -72,6 +72,10 @@ def test_speculation_turns_off_when_the_batch_saturates():
     assert GoodputPolicy(linear).draft_lengths(cands, 16) == [0] * 16
     drafts = [Draft([1, 2, 3, 4], confidence=[0.8] * 4)] * 16
     assert DSparkPolicy(linear).verify_lengths(cands, drafts, 16) == [0] * 16
+    # nor is a due probe: even drafts that survive 90% of the time would not pay for their verification
+    probing = [Candidate(4, AcceptanceEstimator(prior=0.1), probe=True) for _ in range(16)]
+    assert GoodputPolicy(linear).draft_lengths(probing, 16) == [0] * 16
+    assert DSparkPolicy(linear).verify_lengths(probing, drafts, 16) == [0] * 16
     # on a flat cost table every draft token is worth verifying
     assert GoodputPolicy(StepCosts.flat()).draft_lengths(cands, 16) == [4] * 16
 

@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.bench.single import add_single_args
 
     add_single_args(single)
+    single.add_argument("--endpoint", default=None,
+                        help="measure this OpenAI-compatible server instead of in process (a concurrency-1 sweep; "
+                             "--baseline-endpoint is then the speculation-off server)")
+    single.add_argument("--baseline-endpoint", default=None)
+    from verispec.bench.sweep import add_sweep_args
+
+    add_sweep_args(bsub.add_parser("sweep", help="serving sweep of any OpenAI-compatible endpoint: closed loop "
+                                                 "(--concurrency) or Poisson (--request-rate)"))
     return ap
 
 
@@ -237,6 +245,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from verispec.bench.sweep import add_sweep_args, run_sweep
+
+    if args.bench_command == "sweep":
+        return run_sweep(args)
+    if args.endpoint:  # single stream against a server: a sweep at concurrency 1 over the same workloads
+        sweep = argparse.ArgumentParser()
+        add_sweep_args(sweep)
+        argv = ["--endpoint", args.endpoint, "--concurrency", "1", "--workloads", args.workloads,
+                "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats), "--out", args.out,
+                "--requests-per-level", str(args.limit * len(args.workloads.split(",")))]
+        if args.baseline_endpoint:
+            argv += ["--baseline-endpoint", args.baseline_endpoint]
+        return run_sweep(sweep.parse_args(argv))
     from verispec.bench.single import run_single_cli
 
     return run_single_cli(args)

@@ -88,17 +88,29 @@ class StaticPolicy:
         return [len(d.tokens) for d in drafts]
 
 
-def _with_probes(cands: Sequence[Candidate], lengths: list[int]) -> list[int]:
-    return [min(c.estimator.probe_len, c.limit) if (n == 0 and c.probe) else n for c, n in zip(cands, lengths)]
+PROBE_SURVIVAL = 0.9  # what a due probe is assumed to achieve per position when its cost is weighed
+
+
+def _with_probes(cands: Sequence[Candidate], survivals: list[list[float]]) -> list[list[float]]:
+    """A due probe enters the admission with optimistic survival for its first positions: it is verified where
+    even drafts that good would pay for themselves (an idle batch), and skipped where they would not (a
+    saturated one), so probing never costs more than it could gain."""
+    out = []
+    for c, surv in zip(cands, survivals):
+        if c.probe:
+            n = min(c.estimator.probe_len, len(surv))
+            surv = [max(s, PROBE_SURVIVAL ** (j + 1)) for j, s in enumerate(surv[:n])] + surv[n:]
+        out.append(surv)
+    return out
 
 
 class GoodputPolicy(StaticPolicy):
     name = "goodput"
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
-        survivals = [c.estimator.iid_survival(c.limit) for c in cands]
+        survivals = _with_probes(cands, [c.estimator.iid_survival(c.limit) for c in cands])
         extra = [c.estimator.draft_cost_per_token for c in cands]
-        return _with_probes(cands, admit_prefixes(survivals, self.costs, base_tokens, extra))
+        return admit_prefixes(survivals, self.costs, base_tokens, extra)
 
 
 class DSparkPolicy(StaticPolicy):
@@ -116,8 +128,8 @@ class DSparkPolicy(StaticPolicy):
                 survivals.append(surv)
             else:
                 survivals.append(c.estimator.position_survival(g))
-        lengths = admit_prefixes(survivals, self.costs, base_tokens, stop_at_first_drop=True)
-        return [min(n, len(d.tokens)) for n, d in zip(_with_probes(cands, lengths), drafts)]
+        lengths = admit_prefixes(_with_probes(cands, survivals), self.costs, base_tokens, stop_at_first_drop=True)
+        return [min(n, len(d.tokens)) for n, d in zip(lengths, drafts)]
 
 
 def make_policy(name: str, costs: StepCosts) -> StaticPolicy:
