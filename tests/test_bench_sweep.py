@@ -21,7 +21,7 @@ from tests.test_server import live, make_app, tiny_dir  # noqa: F401 - tiny_dir 
 from verispec.bench.client import RequestRecord, finalize
 from verispec.bench.promscrape import parse_spec_metrics, spec_delta
 from verispec.bench.sweep import (Level, LevelResult, add_sweep_args, first_divergence, poisson_arrivals,
-                                  run_sweep, summarize)
+                                  ratio_rows, run_sweep, summarize)
 
 MAX_TOKENS = 10
 
@@ -141,6 +141,13 @@ def test_finalize_and_summary_percentiles_by_hand() -> None:
     assert row["itl_p95_ms"] == pytest.approx(itl[5] + 0.7 * (itl[6] - itl[5]))
     assert row["gap_p50_ms"] == pytest.approx(200.0)  # raw gaps 200, 100, 200, 600
     assert row["e2e_p50_s"] == pytest.approx(0.45) and row["headers_p50_ms"] == pytest.approx(10.0)
+
+    # paired ratios: method / baseline for throughput, baseline / method for latency, median over repeats
+    spec = [dict(row, repeat=1), dict(row, repeat=2, out_tok_per_s=row["out_tok_per_s"] * 2, tpot_p50_ms=100.0)]
+    base = [dict(row, repeat=1, out_tok_per_s=row["out_tok_per_s"] / 2), dict(row, repeat=2)]
+    (ratio,) = ratio_rows(spec, base)
+    assert ratio["ratio_out_tok"] == 2.0 and ratio["ratio_out_tok_range"] == "2..2"
+    assert ratio["speedup_tpot_p50_ms"] == pytest.approx((1 + 2) / 2) and ratio["speedup_tpot_p50_ms_range"] == "1..2"
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2

@@ -412,7 +412,8 @@ def ratio_rows(spec: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
             name = key.replace("_per_s", "").replace("_p50", "_p50")
             name = ("speedup_" + name) if inverse else ("ratio_" + name)
             row[name] = statistics.median(rs) if rs else float("nan")
-            row[name + "_range"] = f"{min(rs):.3g}..{max(rs):.3g}" if len(rs) > 1 else "-"
+            if len(reps) > 1:
+                row[name + "_range"] = f"{min(rs):.3g}..{max(rs):.3g}" if len(rs) > 1 else "-"
         s0, b0 = next(iter(reps.values()))
         row["tau"] = s0.get("tau", float("nan"))
         row["identity_vs_baseline"] = s0.get("identity_vs_baseline", float("nan"))
