@@ -73,7 +73,9 @@ class LLM:
         self.model, self.resolved = load_model(model, dtype=dtype, device=self.device, progress=progress)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
-        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 8192), cfg.max_position_embeddings)
+        # each of the max_num_seqs KV slots holds max_model_len positions (fp32 on CPU: 46 KB per position for the
+        # default model), so the default context is capped at 4096 unless asked for more
+        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.scheduler = scheduler
         self.max_num_batched_tokens = max_num_batched_tokens
