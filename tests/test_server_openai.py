@@ -32,9 +32,9 @@ TOPICS = ["caches", "rivers", "compilers", "bread", "tides", "chess", "owls", "g
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    # static scheduler: the goodput / dspark ones profile step costs at start-up (minutes on 2 cores)
+    # the default scheduler (dspark): it profiles step costs at start-up, within the deadline below
     cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", "0", "--dtype", "float32", "--method", "ngram",
-           "--scheduler", "static", "--max-model-len", str(CTX), "--api-key", KEY, "--log-level", "warning"]
+           "--max-model-len", str(CTX), "--api-key", KEY, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
