@@ -13,6 +13,8 @@
 #   - Same GGUF file (SmolLM2-135M-Instruct Q4_1), not the same arithmetic: llama.cpp computes on the Q4_1
 #     blocks, verispec dequantises them once and runs $DTYPE. Sweep 3's identity-vs-baseline column therefore
 #     measures agreement between engines, not losslessness; sweeps 1 and 2 are the lossless checks.
+#   - llama-cpp-python's server by default cuts a streaming request short when a new one arrives
+#     (interrupt_requests): a sweep at concurrency 2 saw 1/6 outputs intact. The script turns that off.
 #   - llama-cpp-python's server runs one request at a time (a lock around the model): at concurrency > 1 its
 #     requests queue, which shows in TTFT and time-to-headers, not as batching.
 #   - llama-cpp-python exports no /metrics: its tau is "n/a" (its prompt-lookup acceptance is not observable).
@@ -23,9 +25,9 @@
 #
 # Install: llama-cpp-python has no wheel for this platform on PyPI and is built from source (CMake + a C++
 # compiler; `pip download llama-cpp-python --no-deps` fetches a ~75 MB sdist). On the 2-core reference machine
-# the build is slow: on the 2-core reference machine (shared, the build niced and limited to one job) it had not
-# finished after 20 minutes (llama-cpp-python 0.3.36, tried 2026-11-29), so allow well over that, or give it
-# more cores with CMAKE_BUILD_PARALLEL_LEVEL. The script installs it only when sweep 2 or 3 is asked for and
+# (llama-cpp-python 0.3.36, 2026-11-29) it built in 14 min with CMAKE_BUILD_PARALLEL_LEVEL=2 and
+# CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" (the script sets both);
+# niced on one job it had not finished after 20 min. The script installs it only when sweep 2 or 3 is asked for and
 # `import llama_cpp.server` fails.
 #
 # Usage (from the repository root, with verispec installed in the active environment):
@@ -57,6 +59,7 @@ log() { printf '[llama_cpp_sweep] %s\n' "$*" >&2; }
 if [[ " $SWEEPS " =~ \ [23]\  ]] && ! "$PY" -c "import llama_cpp.server" 2>/dev/null; then
   log "installing llama-cpp-python[server] (a source build: CMake + C++ compiler; can take a long time)"
   t0=$(date +%s)
+  CMAKE_ARGS=${CMAKE_ARGS:-"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"} \
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$THREADS} \
     "$PY" -m pip install "llama-cpp-python[server]"
   log "llama-cpp-python built and installed in $(( $(date +%s) - t0 )) s"
@@ -96,7 +99,7 @@ start_llama_cpp() {  # name, port, spec (yes|no)
   local extra=()
   [ "$3" = yes ] && extra=(--draft_model prompt-lookup-decoding --draft_model_num_pred_tokens "$K")
   "$PY" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$2" --n_ctx "$CTX" \
-    --n_threads "$THREADS" --n_threads_batch "$THREADS" --verbose false "${extra[@]}" \
+    --n_threads "$THREADS" --n_threads_batch "$THREADS" --verbose false --interrupt_requests false "${extra[@]}" \
     >"$OUT/$1.log" 2>&1 &
   PIDS+=($!); wait_up "http://127.0.0.1:$2" $! "$1"
 }
