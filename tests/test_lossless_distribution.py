@@ -52,6 +52,14 @@ def exact_distribution(hf) -> torch.Tensor:
     return picked.sum(-1).exp()
 
 
+def continuation_index(tokens: list[int]) -> int:
+    """The row of a 3-token continuation in exact_distribution's V^3 table."""
+    idx = 0
+    for t in tokens:
+        idx = idx * V + t
+    return idx
+
+
 def sample_counts(llm: LLM) -> tuple[torch.Tensor, float, bool]:
     """Counts per continuation, the overall acceptance rate, and whether any result was labelled lossy."""
     counts = torch.zeros(V**LENGTH)
@@ -61,10 +69,7 @@ def sample_counts(llm: LLM) -> tuple[torch.Tensor, float, bool]:
         out = llm.generate({"prompt_token_ids": PROMPT},
                            SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=seed, ignore_eos=True),
                            use_tqdm=False)[0]
-        idx = 0
-        for t in out.token_ids:
-            idx = idx * V + t
-        counts[idx] += 1
+        counts[continuation_index(out.token_ids)] += 1
         drafted += out.stats["num_draft_tokens"]
         accepted += out.stats["num_accepted_tokens"]
         lossy |= out.stats["lossy"]
@@ -112,10 +117,7 @@ def test_concurrent_requests_under_dspark_match_exact_distribution(models):
         params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
                   for i in range(batch)]
         for out in llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False):
-            idx = 0
-            for t in out.token_ids:
-                idx = idx * V + t
-            counts[idx] += 1
+            counts[continuation_index(out.token_ids)] += 1
             drafted += out.stats["num_draft_tokens"]
             verified_steps += out.stats["steps"]
     assert 0 < drafted < 2 * verified_steps, "the scheduler must verify drafts, and trim some, for this test to mean anything"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from verispec.engine.scheduler import Candidate, GoodputPolicy, StaticPolicy
 from verispec.spec_length import AcceptanceEstimator, CostTable, StepCosts, expected_tokens
@@ -19,34 +20,37 @@ def test_cost_table_interpolates_and_extrapolates():
     assert t(1) == 1.0 and t(3) == 2.0 and t(6) == 3.5
 
 
-est_probe: dict = {}
+@dataclass
+class OneRequest:
+    """A single request as the engine steps it: its estimator, and whether a probe is due."""
 
+    est: AcceptanceEstimator
+    probe: bool = False
 
-def _step(policy, est, limit):
-    """One single-request step as the engine runs it: choose k; a plain step may schedule a probe."""
-    k = policy.draft_lengths([Candidate(limit, est, est_probe.pop(id(est), False))], 1)[0]
-    if k == 0:
-        est_probe[id(est)] = est.plain_step()
-    return k
+    def step(self, policy, limit: int) -> int:
+        k = policy.draft_lengths([Candidate(limit, self.est, self.probe)], 1)[0]
+        self.probe = self.est.plain_step() if k == 0 else False
+        return k
 
 
 def test_turns_speculation_off_when_drafts_fail_and_back_on_when_they_match():
     costs = StepCosts(CostTable((1, 2, 9), (1.0, 1.3, 2.0)))  # verifying 9 tokens costs 2 plain steps
     policy = GoodputPolicy(costs)
-    est = AcceptanceEstimator()
-    assert _step(policy, est, 8) > 0  # the prior makes a first try worthwhile
+    req = OneRequest(AcceptanceEstimator())
+    est = req.est
+    assert req.step(policy, 8) > 0  # the prior makes a first try worthwhile
     for _ in range(10):
         est.update(drafted=4, accepted=0, draft_s=0.0)
-    picks = [_step(policy, est, 8) for _ in range(32)]
+    picks = [req.step(policy, 8) for _ in range(32)]
     assert picks.count(0) >= 28 and max(picks) <= 2  # plain, except for rare short probes
     for _ in range(20):
         est.update(drafted=8, accepted=8, draft_s=0.0)
-    assert _step(policy, est, 8) == 8
-    assert _step(policy, est, 3) == 3  # never more than the request has room for
+    assert req.step(policy, 8) == 8
+    assert req.step(policy, 3) == 3  # never more than the request has room for
 
 
 def test_expensive_verification_needs_high_acceptance():
     steep = StepCosts(CostTable((1, 2, 9), (1.0, 2.0, 9.0)))  # every extra token costs a full step: never worth it
     est = AcceptanceEstimator(prior=0.9)
-    assert _step(GoodputPolicy(steep), est, 8) == 0
+    assert OneRequest(est).step(GoodputPolicy(steep), 8) == 0
     assert StaticPolicy(steep).draft_lengths([Candidate(5, est)], 1) == [5]
