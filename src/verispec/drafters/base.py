@@ -6,6 +6,16 @@ A drafter is created per request (`Drafter.for_request`) or shared, and sees onl
                           and optional per-position confidences.
   observe(accepted)    -> feedback after verification: how many of the proposed tokens the target accepted.
 Drafters with state of their own (a draft model's KV cache) keep it consistent in observe().
+
+Learned drafters (EAGLE-3, DFlash, DSpark) also read the target's hidden states: a `FeatureDrafter` names the
+target layers it needs, and the engine hands it the features of every committed position, once, in order:
+  add_features(feats)  -> the next n committed positions' features, [n, len(feature_layers) * d]: prefill chunks
+                          as they run, then after each verification the accepted block positions (pending last token
+                          + accepted drafts), always AFTER observe(). The token just sampled (the bonus) has no
+                          features yet, so before every propose(context, k) the drafter holds features for exactly
+                          len(context) - 1 positions.
+  check_state(ref)     -> state oracle: ref = features recomputed from scratch for all committed positions; raise
+                          AssertionError if the drafter's own state (context KV, lengths) disagrees.
 """
 
 from __future__ import annotations
@@ -43,3 +53,15 @@ class Drafter(Protocol):
     def release(self) -> None:
         """Free per-request resources (KV slots); called once when the request ends."""
         ...
+
+
+class FeatureDrafter(Drafter, Protocol):
+    feature_layers: tuple[int, ...]  # hidden states ENTERING these target layers; index L = final pre-norm output
+
+    def add_features(self, feats: torch.Tensor) -> None: ...
+
+    def check_state(self, ref: torch.Tensor) -> None: ...
+
+
+def needs_features(drafter: object) -> bool:
+    return bool(getattr(drafter, "feature_layers", ()))

@@ -1,0 +1,50 @@
+"""Which target hidden states the learned drafters read, and how to take them from a forward.
+
+Layer indices name the hidden state ENTERING a target layer (HF's `hidden_states[i]`); index L (the number of
+layers) is the last layer's output before the final norm. A drafter's feature row is the concatenation of its
+layers' states at one position, in the order of its `feature_layers`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from verispec.models.llama import ForwardOutput, LlamaModel, Segment
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / mid / high aux layers (2, L//2, L-3), as vLLM and SGLang default them."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)}))
+
+
+def dflash_target_layer_ids(num_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's target_layer_ids: one per draft layer, spread evenly over [1, L-3] (layers whose OUTPUT is read)."""
+    lo, hi = 1, max(1, num_layers - 3)
+    if num_draft_layers == 1:
+        return ((lo + hi) // 2,)
+    return tuple(round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+def dflash_layers(num_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The same layers as `feature_layers`: the output of layer i is the state entering layer i + 1."""
+    return tuple(i + 1 for i in dflash_target_layer_ids(num_layers, num_draft_layers))
+
+
+def select(hidden: Mapping[int, torch.Tensor], layers: Sequence[int], rows: slice | torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """[n, len(layers) * d]: the captured states of `layers` (rows of the flat block), concatenated per position."""
+    parts = [hidden[i] if rows is None else hidden[i][rows] for i in layers]
+    return torch.cat(parts, dim=-1)
+
+
+def target_features(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> tuple[torch.Tensor, ForwardOutput]:
+    """A from-scratch target forward over `tokens` in a fresh cache: ([n, len(layers) d] features, the output with
+    last_hidden set). Used by the state oracle and the training-data capture."""
+    n = len(tokens)
+    cache = model.new_cache(n)
+    s = cache.allocate()
+    out = model(torch.tensor(list(tokens), device=model.device), [Segment(s, 0, n)], cache,
+                logits_indices=[n - 1], capture_layers=tuple(layers), return_last_hidden=True)
+    return select(out.hidden, layers), out
