@@ -1,0 +1,329 @@
+"""Train a DFlash or DSpark drafter on cached target features (the shards of `verispec train data`).
+
+Anchors: per sequence, random positions a in the response (a >= prompt_len). Block a is [x_a, mask x (B-1)] at
+positions a .. a+B-1; it sees the context features strictly before a and itself (bidirectionally), exactly as at
+inference, where the anchor is the last committed token and features exist for the positions before it. All
+anchors of a step (several sequences packed) run in one forward with a mask. Block position k predicts x_{a+k}.
+  DFlash loss: CE weighted exp(-(k-1)/gamma), gamma 7 for B=16, 4 for B=8, B/2 otherwise (normalised by the
+               weights of the valid positions).
+  DSpark loss: 0.1 CE + 0.9 sum_k exp(-k/4) ||p_d - p_t||_1 (summed over k, averaged over anchors)
+               + 1.0 BCE(c_k, 1 - 0.5 ||p_d - p_t||_1); p_d = softmax(U_k + B_k) with the Markov head read from
+               the data token x_{a+k-1} (teacher forcing); p_t = the target's distribution of x_{a+k}.
+DSpark is then calibrated on the held-out anchors (train/calibrate.py); the temperatures go into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts
+from verispec.drafters.dspark_head import bce_confidence, soft_survival_label
+from verispec.train.calibrate import fit_position_temperatures, per_position_ece
+from verispec.train.shards import TrainSequence, iter_sequences, read_meta, target_logits
+
+
+def gamma_for(block_size: int) -> float:
+    return {16: 7.0, 8: 4.0}.get(block_size, block_size / 2)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int | None = None  # stop after this many steps ...
+    max_minutes: float | None = None  # ... or this much wall time, whichever comes first
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup: int = 20  # steps
+    grad_clip: float = 1.0
+    anchors_per_seq: int = 32
+    seqs_per_step: int = 4
+    eval_every: int = 50
+    heldout_frac: float = 0.1
+    seed: int = 0
+    amp: bool = False  # bf16 autocast on CUDA
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.max_minutes is None:
+            raise ValueError("give a number of steps and/or a time budget (max_minutes)")
+        if (self.steps is not None and self.steps < 1) or (self.max_minutes is not None and self.max_minutes <= 0):
+            raise ValueError("steps and max_minutes must be positive")
+
+
+@dataclass
+class Batch:
+    feats: torch.Tensor  # [C, len(layers) d] float32 feature rows of the packed sequences
+    ctx_pos: torch.Tensor  # [C] position of each row in its sequence
+    ctx_seq: torch.Tensor  # [C] sequence index of each row
+    last_hidden: torch.Tensor  # [C, d] the target's post-norm states (its logits: last_hidden @ W_out^T)
+    anchors: torch.Tensor  # [A] anchor token ids
+    anchor_pos: torch.Tensor  # [A]
+    anchor_seq: torch.Tensor  # [A]
+    labels: torch.Tensor  # [A, B-1] x_{a+k} (0 where invalid)
+    prev: torch.Tensor  # [A, B-1] x_{a+k-1}, the Markov head's teacher-forced input
+    valid: torch.Tensor  # [A, B-1] a + k < T
+    target_rows: torch.Tensor  # [A, B-1] packed row a+k-1 whose target logits predict x_{a+k}
+
+
+def compact(seq: TrainSequence, layers: Sequence[int]) -> TrainSequence:
+    """Keep only the drafter's layers, in bf16: a quarter of the float32 memory of all layers."""
+    return TrainSequence(seq.ids, seq.prompt_len, {i: seq.hidden[i].bfloat16() for i in set(layers)},
+                         seq.last_hidden.bfloat16())
+
+
+def anchor_range(seq: TrainSequence) -> range:
+    """Anchors inside the response with at least one label after them (and at least one context position)."""
+    return range(max(seq.prompt_len, 1), len(seq.ids) - 1)
+
+
+def pick_anchors(seq: TrainSequence, n: int, gen: torch.Generator) -> list[int]:
+    r = anchor_range(seq)
+    if len(r) <= n:
+        return list(r)
+    return sorted((torch.randperm(len(r), generator=gen)[:n] + r.start).tolist())
+
+
+def make_batch(seqs: Sequence[TrainSequence], anchors: Sequence[Sequence[int]], layers: Sequence[int],
+               block_size: int, device: torch.device) -> Batch:
+    B = block_size
+    k = torch.arange(1, B)  # [B-1]
+    feats, pos, sid, last, a_ids, a_pos, a_seq, labels, prev, valid, rows = ([] for _ in range(11))
+    off = 0
+    for s, (seq, anc) in enumerate(zip(seqs, anchors)):
+        T = len(seq.ids)
+        feats.append(seq.features(layers).float())
+        last.append(seq.last_hidden.float())
+        pos.append(torch.arange(T))
+        sid.append(torch.full((T,), s))
+        a = torch.tensor(list(anc), dtype=torch.long)  # [A_s]
+        tgt = a.unsqueeze(1) + k  # [A_s, B-1] positions a+k
+        ok = tgt < T
+        a_ids.append(seq.ids[a])
+        a_pos.append(a)
+        a_seq.append(torch.full((len(a),), s))
+        labels.append(torch.where(ok, seq.ids[tgt.clamp(max=T - 1)], 0))
+        prev.append(torch.where(ok, seq.ids[(tgt - 1).clamp(max=T - 1)], 0))
+        valid.append(ok)
+        rows.append(off + (tgt - 1).clamp(max=T - 1))
+        off += T
+    cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
+    return Batch(cat(feats), cat(pos), cat(sid), cat(last), cat(a_ids), cat(a_pos), cat(a_seq), cat(labels),
+                 cat(prev), cat(valid), cat(rows))
+
+
+def compute_loss(model: DFlashModel, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """The method's training loss and metrics: acc (top-1 vs the data), tau (teacher-forced greedy run length)."""
+    cfg = model.cfg
+    A, B = b.anchors.shape[0], cfg.block_size
+    h = model.forward_train(b.feats, b.ctx_pos, b.ctx_seq, b.anchors, b.anchor_pos, b.anchor_seq)  # [A, B, d]
+    hk = h[:, 1:][b.valid]  # [Nv, d] the predicting positions
+    z = model.logits(hk)  # [Nv, V] float32
+    y = b.labels[b.valid]  # [Nv]
+    kk = torch.arange(1, B, device=z.device).expand(A, B - 1)[b.valid].float()  # [Nv] position k (1-based)
+    stats: dict[str, float] = {}
+    if model.markov is None:
+        w = torch.exp(-(kk - 1) / gamma_for(B))
+        loss = (w * F.cross_entropy(z, y, reduction="none")).sum() / w.sum()
+    else:
+        prev = b.prev[b.valid]
+        z = z + model.markov.bias(prev).float()
+        logp = z.log_softmax(-1)
+        p_d = logp.exp()
+        p_t = target_logits(b.last_hidden[b.target_rows[b.valid]], model.parts.out_weight.float()).softmax(-1)
+        l1 = (p_d - p_t).abs().sum(-1)  # [Nv]
+        ce = F.nll_loss(logp, y)
+        l1_term = (torch.exp(-kk / 4) * l1).sum() / A
+        conf = model.markov.conf_logits(hk, prev)
+        bce = bce_confidence(conf, soft_survival_label(p_d.detach(), p_t)).mean()
+        loss = 0.1 * ce + 0.9 * l1_term + bce
+        stats.update(ce=float(ce.detach()), l1=float(l1.detach().mean()), bce=float(bce.detach()))
+    correct = torch.zeros_like(b.valid)
+    correct[b.valid] = z.argmax(-1) == y
+    stats.update(loss=float(loss.detach()), acc=float(correct[:, 0][b.valid[:, 0]].float().mean()),
+                 tau=float(correct.long().cumprod(1).sum(1).float().mean()))
+    return loss, stats
+
+
+def lr_factor(step: int, progress: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 over progress in [0, 1]."""
+    return min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def split(seqs: list[TrainSequence], frac: float, seed: int) -> tuple[list[TrainSequence], list[TrainSequence]]:
+    seqs = [s for s in seqs if len(anchor_range(s)) > 0]
+    if len(seqs) < 2:
+        raise ValueError(f"need at least 2 sequences with a response of >= 2 tokens, got {len(seqs)}")
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = min(len(seqs) - 1, max(1, round(frac * len(seqs))))
+    return [seqs[i] for i in order[n_held:]], [seqs[i] for i in order[:n_held]]
+
+
+def fixed_batches(model: DFlashModel, seqs: list[TrainSequence], tc: TrainConfig, device) -> list[Batch]:
+    gen = torch.Generator().manual_seed(tc.seed + 12345)
+    out = []
+    for i in range(0, len(seqs), tc.seqs_per_step):
+        part = seqs[i : i + tc.seqs_per_step]
+        anchors = [pick_anchors(s, tc.anchors_per_seq, gen) for s in part]
+        out.append(make_batch(part, anchors, model.cfg.feature_layers, model.cfg.block_size, device))
+    return out
+
+
+def evaluate(model: DFlashModel, batches: list[Batch], amp) -> dict[str, float]:
+    was = model.training
+    model.eval()
+    tot: dict[str, float] = {}
+    with torch.no_grad(), amp():
+        for b in batches:
+            for key, v in compute_loss(model, b)[1].items():
+                tot[key] = tot.get(key, 0.0) + v / len(batches)
+    model.train(was)
+    return tot
+
+
+def train_model(model: DFlashModel, seqs: list[TrainSequence], tc: TrainConfig, progress: bool = True) -> dict:
+    """Train in place; returns the log (loss curve, held-out evaluations, steps, wall time)."""
+    from tqdm.auto import tqdm
+
+    device = model.fc.weight.device
+    train, held = split(seqs, tc.heldout_frac, tc.seed)
+    held_batches = fixed_batches(model, held, tc, device)
+    use_amp = tc.amp and device.type == "cuda"
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_amp else nullcontext
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
+                            weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(tc.seed)
+    budget = tc.max_minutes * 60 if tc.max_minutes is not None else None
+    log: dict = {"train_sequences": len(train), "heldout_sequences": len(held), "loss": [],
+                 "heldout": [{"step": 0, **evaluate(model, held_batches, amp)}]}
+    t0, step = time.monotonic(), 0
+    bar = tqdm(total=tc.steps, disable=not progress, desc=f"train {'dspark' if model.cfg.dspark else 'dflash'}")
+    model.train()
+    while True:
+        elapsed = time.monotonic() - t0
+        prog = max(step / tc.steps if tc.steps else 0.0, elapsed / budget if budget else 0.0)
+        if prog >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = tc.lr * lr_factor(step, prog, tc.warmup)
+        idx = torch.randint(len(train), (tc.seqs_per_step,), generator=gen).tolist()
+        part = [train[i] for i in idx]
+        b = make_batch(part, [pick_anchors(s, tc.anchors_per_seq, gen) for s in part], model.cfg.feature_layers,
+                       model.cfg.block_size, device)
+        with amp():
+            loss, stats = compute_loss(model, b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        step += 1
+        log["loss"].append(round(stats["loss"], 5))
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}")
+        if step % tc.eval_every == 0:
+            log["heldout"].append({"step": step, **evaluate(model, held_batches, amp)})
+    bar.close()
+    if log["heldout"][-1]["step"] != step:
+        log["heldout"].append({"step": step, **evaluate(model, held_batches, amp)})
+    model.eval()
+    log.update(steps=step, wall_seconds=round(time.monotonic() - t0, 2))
+    return log
+
+
+@torch.no_grad()
+def calibration_data(model: DFlashModel, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy left-to-right drafts of every held-out anchor, as at inference. Returns raw confidence logits,
+    survival (draft tokens 1..k all equal the target's argmax; the target's argmax after the anchor is read along
+    the data path) and valid, each [N, B-1]."""
+    assert model.markov is not None, "calibration needs a DSpark model"
+    out_w = model.parts.out_weight.float()
+    L, S, V = [], [], []
+    for b in batches:
+        h = model.forward_train(b.feats, b.ctx_pos, b.ctx_seq, b.anchors, b.anchor_pos, b.anchor_seq)  # [A, B, d]
+        U = model.logits(h[:, 1:])  # [A, B-1, V]
+        toks, _, conf = model.markov.decode(U, h[:, 1:], b.anchors, lambda z, _k: z.argmax(-1))
+        t_arg = target_logits(b.last_hidden[b.target_rows.flatten()], out_w).argmax(-1).view_as(toks)
+        S.append(((toks == t_arg) & b.valid).long().cumprod(1).float())
+        L.append(conf.float())
+        V.append(b.valid)
+    return torch.cat(L).cpu(), torch.cat(S).cpu(), torch.cat(V).cpu()
+
+
+def calibrate(model: DFlashModel, batches: list[Batch]) -> dict:
+    """Fit T_1..T_{B-1} on `batches`, store them in the model's config; returns ECE per position before / after."""
+    logits, survival, valid = calibration_data(model, batches)
+    ones = torch.ones(logits.shape[1])
+    before = per_position_ece(logits, survival, valid, ones)
+    temps = fit_position_temperatures(logits, survival, valid)
+    model.with_temperatures(temps)
+    after = per_position_ece(logits, survival, valid, torch.tensor(temps))
+    return {"temperatures": temps, "ece_before": before, "ece_after": after,
+            "mean_ece_before": sum(before) / len(before), "mean_ece_after": sum(after) / len(after),
+            "anchors": int(logits.shape[0])}
+
+
+# ---- CLI --------------------------------------------------------------------------------------------------
+def add_args(parser, method: str) -> None:
+    parser.add_argument("--data", required=True, help="training data directory (from `verispec train data`)")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--model", default=None, help="the target model (default: the one named in the data)")
+    parser.add_argument("--dtype", default="float32", help="dtype the target is loaded in; bf16 on CUDA trains "
+                        "with bf16 autocast (float32 master weights)")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--layers", type=int, default=None, help="draft decoder layers (default 3; --quick: 1)")
+    parser.add_argument("--block-size", type=int, default=8, help="block size B (anchor + B-1 drafts)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000; --quick: 30)")
+    parser.add_argument("--max-minutes", type=float, default=None, help="wall-time budget; stops at whichever "
+                        "of --steps / --max-minutes comes first")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--anchors", type=int, default=32, help="random anchors per sequence per step")
+    parser.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
+    parser.add_argument("--quick", action="store_true", help="tiny run for CI: 1 layer, 30 steps")
+    parser.add_argument("--seed", type=int, default=0)
+    if method == "dspark":
+        parser.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head W2 W1")
+
+
+def run(args, method: str) -> dict:
+    """`verispec train dflash|dspark`: load data and target, train, calibrate (DSpark), write the checkpoint."""
+    from verispec.models.loader import load_model, parse_dtype
+
+    if method not in ("dflash", "dspark"):
+        raise ValueError(f"unknown method {method!r}; expected dflash or dspark")
+    torch.manual_seed(args.seed)
+    meta = read_meta(args.data)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target, _ = load_model(args.model or meta["model"], dtype=args.dtype, device=device)
+    t = target.cfg
+    if (meta.get("hidden_size"), meta.get("num_layers")) != (t.hidden_size, t.num_layers):
+        raise ValueError(f"{args.data} was captured from a target with hidden size {meta.get('hidden_size')} and "
+                         f"{meta.get('num_layers')} layers; --model has {t.hidden_size} and {t.num_layers}")
+    layers = args.layers or (1 if args.quick else 3)
+    extra = {"markov_rank": args.markov_rank} if method == "dspark" else {}
+    cfg = DFlashConfig.for_target(t, num_layers=layers, block_size=args.block_size, dspark=method == "dspark", **extra)
+    missing = sorted(set(cfg.feature_layers) - set(meta.get("layers", [])))
+    if missing:
+        raise ValueError(f"{args.data} has no hidden states for layers {missing} (needed: {list(cfg.feature_layers)}); "
+                         f"regenerate it with `verispec train data --layers` including them")
+    model = DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32)).to(device)
+    del target
+    steps = args.steps or (30 if args.quick else (None if args.max_minutes else 2000))
+    tc = TrainConfig(steps=steps, max_minutes=args.max_minutes, lr=args.lr, anchors_per_seq=args.anchors,
+                     seqs_per_step=args.batch_seqs, seed=args.seed, eval_every=10 if args.quick else 50,
+                     amp=parse_dtype(args.dtype) == torch.bfloat16)
+    seqs = [compact(s, cfg.feature_layers) for s in iter_sequences(args.data)]
+    log = train_model(model, seqs, tc)
+    if cfg.dspark:
+        _, held = split(seqs, tc.heldout_frac, tc.seed)
+        log["calibration"] = calibrate(model, fixed_batches(model, held, tc, device))
+    model.save_pretrained(args.out)
+    log.update(method=method, data=str(args.data), target=args.model or meta["model"], block_size=cfg.block_size,
+               num_layers=cfg.num_layers, target_layer_ids=list(cfg.target_layer_ids))
+    Path(args.out, "train_log.json").write_text(json.dumps(log, indent=1))
+    return log
