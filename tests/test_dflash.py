@@ -351,3 +351,26 @@ def test_greedy_speculative_loop_equals_hf_generate(trained, tiny, method):
         assert ctx[len(prompt) : len(prompt) + n_new] == hf_greedy(hf, prompt, n_new), f"{method}, prompt {prompt}"
         d.release()
     assert accepted_total > 0, "no draft was ever accepted: the loop did not exercise multi-token commits"
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("scheduler", ["static", "dspark"])
+def test_engine_greedy_equals_hf_with_state_oracle(trained, tiny, tmp_path, method, scheduler):
+    """Through the engine: 3 requests on 2 slots, 8-token batches (features arrive in prefill chunks), state oracle
+    after every step; the output equals HF greedy."""
+    from verispec import LLM, SamplingParams
+
+    path, hf, _ = tiny
+    m, _ = trained[method]
+    m.save_pretrained(tmp_path / "ck")
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
+    refs = [hf_greedy(hf, p, 20) for p in prompts]
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2, check_state=True,
+              max_num_batched_tokens=8, scheduler=scheduler, progress=False,
+              speculative_config={"method": method, "model": str(tmp_path / "ck"), "num_speculative_tokens": 5})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)
+    for o, r in zip(outs, refs):
+        assert o.token_ids == r
+    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0
+    assert llm.engine.kv_tokens() == 0

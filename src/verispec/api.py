@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 from verispec.check.state import check_kv
 from verispec.config import SpeculativeConfig
 from verispec.drafters import DrafterFactory
+from verispec.drafters.base import needs_features
+from verispec.drafters.features import target_features
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.scheduler import make_policy
 from verispec.models.hub import DEFAULT_MODEL
@@ -255,6 +257,10 @@ class LLM:
 
     def _state_check(self, req: Request, drafter) -> None:
         check_kv(self.model, self.cache, req.slot, req.all_ids[: req.num_computed], "target")
+        if needs_features(drafter):
+            tokens = req.all_ids[: req.num_computed]
+            ref, _ = target_features(self.model, tokens, drafter.feature_layers)
+            drafter.check_state(ref, tokens)
         if hasattr(drafter, "committed_prefix"):
             n = drafter.committed_prefix()
             check_kv(drafter.model, drafter.cache, drafter.slot, req.all_ids[:n], "draft model")

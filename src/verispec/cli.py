@@ -22,10 +22,13 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="none", choices=["none", "ngram", "suffix", "draft_model"],
+    p.add_argument("--method", default="none",
+                   choices=["none", "ngram", "suffix", "draft_model", "eagle3", "dflash", "dspark"],
                    help="speculative drafter (default: none = plain decoding)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="max draft tokens per step")
-    p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (--method draft_model) or trained drafter directory / shipped name "
+                        "(--method eagle3 | dflash | dspark; see `verispec drafters list`)")
     p.add_argument("--speculative-config", default=None, help="JSON dict, vLLM's speculative_config")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens instead of adapting k")
     p.add_argument("--check-state", action="store_true",
@@ -115,7 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep_args(bsub.add_parser("sweep", help="serving sweep of any OpenAI-compatible endpoint: closed loop "
                                                  "(--concurrency) or Poisson (--request-rate)"))
+    from verispec.train.cli import add_train_parser
+
+    add_train_parser(sub)
+    drafters = sub.add_parser("drafters", help="trained drafters shipped with verispec")
+    drafters.add_subparsers(dest="drafters_command", required=True).add_parser("list", help="names and model cards")
     return ap
+
+
+def cmd_drafters(args: argparse.Namespace) -> int:
+    from verispec.drafters.shipped import shipped_names, shipped_root
+
+    for name in shipped_names():
+        cfg = json.loads((shipped_root() / name / "config.json").read_text())
+        print(f"{name}\t{cfg.get('architectures', ['?'])[0]}\t{shipped_root() / name / 'README.md'}")
+    return 0
 
 
 def _read_messages(arg: str) -> list[dict[str, str]]:
@@ -283,6 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "train":
+            from verispec.train.cli import cmd_train
+
+            return cmd_train(args)
+        if args.command == "drafters":
+            return cmd_drafters(args)
         from verispec.demo import run_demo
 
         return run_demo(args)

@@ -122,7 +122,8 @@ class ModelConfig:
         )
 
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft_model")
+SPEC_METHODS = ("none", "ngram", "suffix", "draft_model", "eagle3", "dflash", "dspark")
+LEARNED_METHODS = ("eagle3", "dflash", "dspark")  # trained heads reading the target's hidden states
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class SpeculativeConfig:
 
     method: str = "none"
     num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model, for method draft_model
+    model: str | None = None  # the draft model (draft_model) or the trained drafter's directory (eagle3/dflash/dspark)
     draft_dtype: str | None = None  # default: the target's dtype
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -147,6 +148,9 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be an integer in 1..64")
         if self.method == "draft_model" and not self.model:
             raise ValueError("method draft_model needs a draft model: speculative_config['model'] / --draft-model")
+        if self.method in LEARNED_METHODS and not self.model:
+            raise ValueError(f"method {self.method} needs a trained drafter: speculative_config['model'] = its "
+                             f"directory (--draft-model), or a shipped one (`verispec drafters list`)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

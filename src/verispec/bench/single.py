@@ -28,14 +28,17 @@ SPLIT = ("draft_s", "verify_s", "sched_s", "state_s")
 
 
 def method_spec(name: str, k: int) -> dict[str, Any] | None:
-    """'none', 'ngram', 'suffix', or 'draft_model:PATH' -> a speculative_config."""
+    """'none', 'ngram', 'suffix', 'draft_model:PATH' or 'eagle3|dflash|dspark:PATH_OR_NAME' -> a speculative_config."""
     if name == "none":
         return None
     if name in ("ngram", "suffix"):
         return {"method": name, "num_speculative_tokens": k}
     if name.startswith("draft_model:"):
         return {"method": "draft_model", "model": name.split(":", 1)[1], "num_speculative_tokens": min(k, 4)}
-    raise ValueError(f"unknown method {name!r}: use ngram, suffix or draft_model:PATH")
+    method, _, path = name.partition(":")
+    if method in ("eagle3", "dflash", "dspark") and path:
+        return {"method": method, "model": path, "num_speculative_tokens": k}
+    raise ValueError(f"unknown method {name!r}: use ngram, suffix, draft_model:PATH or eagle3|dflash|dspark:PATH")
 
 
 def drafter_bytes(llm) -> int:

@@ -14,8 +14,9 @@ target layers it needs, and the engine hands it the features of every committed 
                           + accepted drafts), always AFTER observe(). The token just sampled (the bonus) has no
                           features yet, so before every propose(context, k) the drafter holds features for exactly
                           len(context) - 1 positions.
-  check_state(ref)     -> state oracle: ref = features recomputed from scratch for all committed positions; raise
-                          AssertionError if the drafter's own state (context KV, lengths) disagrees.
+  check_state(ref, tokens) -> state oracle: ref = features recomputed from scratch for all committed positions,
+                          tokens = the committed tokens; raise AssertionError if the drafter's own state
+                          (context KV, lengths) disagrees.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class FeatureDrafter(Drafter, Protocol):
 
     def add_features(self, feats: torch.Tensor) -> None: ...
 
-    def check_state(self, ref: torch.Tensor) -> None: ...
+    def check_state(self, ref: torch.Tensor, tokens: Sequence[int]) -> None: ...
 
 
 def needs_features(drafter: object) -> bool:

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 from verispec.drafters import DrafterFactory
-from verispec.drafters.base import EMPTY, Draft, Drafter
+from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
+from verispec.drafters.features import select
 from verispec.engine.scheduler import Candidate, StaticPolicy
 from verispec.kv_cache import KVCache
 from verispec.models.llama import LlamaModel, Segment
@@ -209,14 +210,19 @@ class Engine:
             start = lv.req.num_computed
             segments.append(Segment(lv.req.slot, start, n))  # type: ignore[arg-type]
             ids.extend(lv.req.prompt_ids[start : start + n])
+        layers = self.drafters.feature_layers  # target states the (learned) drafters read; () for the others
         out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
-                         logits_indices=logits_rows)
+                         logits_indices=logits_rows, capture_layers=layers)
         t_verify = time.perf_counter()
         sched_s = t_forward - t_sched - sum(draft_time.values())
 
+        off = len(logits_rows)  # prefill rows follow the decode blocks in the flat batch
         for lv, n in prefill:
             self.cache.commit(lv.req.slot, n)  # type: ignore[arg-type]
             lv.req.num_computed += n
+            if needs_features(lv.drafter):
+                lv.drafter.add_features(select(out.hidden, layers, slice(off, off + n)))  # type: ignore[union-attr]
+            off += n
             if lv.prefilled:
                 lv.req.stats.prefill_s = t_verify - lv.req.start_time
         row = 0
@@ -224,10 +230,11 @@ class Engine:
             d = drafts.get(id(lv), EMPTY)
             g = len(d.tokens)
             logits = out.logits[row : row + g + 1]  # [g + 1, V]
+            feats = select(out.hidden, layers, slice(row, row + g + 1)) if needs_features(lv.drafter) else None
             row += g + 1
             t0 = time.perf_counter()
             self._accept(lv, d, logits, id(lv) in proposed, draft_s=draft_time.get(id(lv), 0.0),
-                         verify_s=t_verify - t_forward, sched_s=sched_s, t0=t0)
+                         verify_s=t_verify - t_forward, sched_s=sched_s, t0=t0, feats=feats)
         self._reap()
 
     def _limit(self, lv: _Live) -> int:
@@ -237,7 +244,7 @@ class Engine:
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
     def _accept(self, lv: _Live, d: Draft, logits: torch.Tensor, proposed: bool, *, draft_s: float, verify_s: float,
-                sched_s: float, t0: float) -> None:
+                sched_s: float, t0: float, feats: torch.Tensor | None = None) -> None:
         req, g = lv.req, len(d.tokens)
         x = torch.tensor(d.tokens, dtype=torch.long)
         if req.params.greedy:
@@ -249,6 +256,8 @@ class Engine:
         req.num_computed += verdict.accepted + 1
         if lv.drafter is not None and proposed:  # even when none of the draft was verified
             lv.drafter.observe(verdict.accepted)
+        if feats is not None:  # the committed block positions: the pending token and the accepted drafts
+            lv.drafter.add_features(feats[: verdict.accepted + 1])  # type: ignore[union-attr]
         first = not req.output_ids
         kept = req.append(verdict.tokens, self.eos_ids)
         if lv.drafter is not None and not first:

@@ -1,0 +1,285 @@
+"""EAGLE-3 (Li et al. 2025): one decoder layer over fused low/mid/high target features, its own small LM head.
+
+Pairing: the head's input at position j is (feature f_j of the target at j, embedding of token x_{j+1}); its
+output there predicts x_{j+2}. Drafting continues on its own output: the pre-norm hidden state it produced at
+position j becomes the feature of position j + 1 (the training-time-test unroll trains exactly this).
+
+  feature  f = fc([h_low; h_mid; h_high])                     [n, d]   (fc: 3d -> d)
+  input    u = [RMSNorm_in(embed(x)); RMSNorm_hidden(f)]       [n, 2d]  (Q, K and V read u)
+  layer    h = f + o(attn(u));  h = h + mlp(RMSNorm_post(h))    [n, d]   (residual from the feature)
+  logits   lm_head(RMSNorm(h)) over the draft vocabulary       [n, Vd]; target id = draft id + d2t[draft id]
+
+The token embedding is the target's (frozen, never saved). Checkpoints are safetensors + config.json with the
+weight names vLLM and SGLang load for `LlamaForCausalLMEagle3` (see drafters/eagle3_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from verispec.drafters.base import Draft
+from verispec.models.llama import LlamaModel
+from verispec.models.rope import apply_rope
+from verispec.sampling import SamplingParams, target_probs
+
+ARCH = "LlamaForCausalLMEagle3"
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    feature_layers: tuple[int, ...]  # target layers whose entering hidden states are fused (vLLM's aux layer ids)
+    target_hidden_size: int
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    ttt_steps: int = 7  # training-time-test unroll used in training (recorded for the model card)
+
+    @classmethod
+    def for_target(cls, target: LlamaModel, feature_layers: Sequence[int], draft_vocab_size: int,
+                   intermediate_size: int | None = None) -> "Eagle3Config":
+        c = target.cfg
+        return cls(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                   intermediate_size=intermediate_size or c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+                   vocab_size=c.vocab_size, draft_vocab_size=min(draft_vocab_size, c.vocab_size),
+                   feature_layers=tuple(feature_layers), target_hidden_size=c.hidden_size, rope_theta=c.rope_theta,
+                   max_position_embeddings=c.max_position_embeddings)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config, target: LlamaModel) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, H, K, hd, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        self.fc = nn.Linear(len(cfg.feature_layers) * cfg.target_hidden_size, d, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(d))
+        self.hidden_norm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(2 * d, H * hd, bias=False)
+        self.k_proj = nn.Linear(2 * d, K * hd, bias=False)
+        self.v_proj = nn.Linear(2 * d, K * hd, bias=False)
+        self.o_proj = nn.Linear(H * hd, d, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(d))
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+        self.norm = nn.Parameter(torch.ones(d))
+        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id in draft vocab
+        # the target's frozen embedding and RoPE tables: shared, not parameters of the head
+        self._target = [target]
+        if target.cfg.hidden_size != cfg.target_hidden_size or target.cfg.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"this EAGLE-3 head was trained for a target with hidden size {cfg.target_hidden_size} and vocabulary "
+                f"{cfg.vocab_size}, not {target.cfg.hidden_size} / {target.cfg.vocab_size}: use a head trained for "
+                "this target (`verispec train eagle3`)")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.cfg.feature_layers
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self._target[0].embed).to(self.fc.weight.dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._target[0]
+        if int(positions.max()) >= t.rope_cos.shape[0]:
+            raise ValueError("position beyond the target's RoPE table")
+        dt = self.fc.weight.dtype
+        return t.rope_cos[positions].to(dt).unsqueeze(1), t.rope_sin[positions].to(dt).unsqueeze(1)  # [n, 1, hd]
+
+    # ---- the layer, split so training (TTT) and inference share every op ------------------------------------
+    def qkv(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """emb, feat: [n, d] -> q [n, H, hd], k [n, K, hd] (rotated at `positions`), v [n, K, hd]."""
+        c = self.cfg
+        u = torch.cat([rms(emb, self.input_layernorm, c.rms_norm_eps), rms(feat, self.hidden_norm, c.rms_norm_eps)], -1)
+        n = u.shape[0]
+        cos, sin = self.rope(positions)
+        q = apply_rope(self.q_proj(u).view(n, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(u).view(n, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, self.v_proj(u).view(n, c.num_kv_heads, c.head_dim)
+
+    def post(self, feat: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """feat: [n, d] residual, attn: [n, H hd] -> the layer's pre-norm output h [n, d]."""
+        h = feat + self.o_proj(attn)
+        m = rms(h, self.post_attention_layernorm, self.cfg.rms_norm_eps)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, d] -> [n, Vd] draft-vocabulary logits (float32)."""
+        return self.lm_head(rms(h, self.norm, self.cfg.rms_norm_eps)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[n, Vd] -> [n, V]: -inf outside the draft vocabulary (the distribution the head can sample from)."""
+        out = draft_logits.new_full((draft_logits.shape[0], self.cfg.vocab_size), float("-inf"))
+        idx = torch.arange(self.cfg.draft_vocab_size, device=draft_logits.device)
+        out[:, self.to_target_ids(idx)] = draft_logits
+        return out
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: str | Path, extra: dict | None = None) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(sd, str(out / "model.safetensors"))
+        cfg = {"architectures": ["VerispecEagle3Head"], **asdict(self.cfg), **(extra or {})}
+        (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def load(path: str | Path, target: LlamaModel) -> Eagle3Head:
+    """A head saved by `save_pretrained` (verispec layout) for `target`, in the target's dtype and device."""
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{p} is not an EAGLE-3 checkpoint (config.json missing)")
+    raw = json.loads((p / "config.json").read_text())
+    if raw.get("architectures") != ["VerispecEagle3Head"]:
+        raise ValueError(f"{p} holds {raw.get('architectures')}, not a verispec EAGLE-3 head; for a vLLM-layout "
+                         f"export use the directory it was exported from")
+    fields = set(Eagle3Config.__dataclass_fields__)
+    cfg = Eagle3Config(**{k: (tuple(v) if k == "feature_layers" else v) for k, v in raw.items() if k in fields})
+    head = Eagle3Head(cfg, target)
+    head.load_state_dict(load_file(str(p / "model.safetensors")))
+    return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """q: [n, H, hd]; k, v: [L, K, hd]; blocked: [n, L] True = hidden -> [n, H hd] (grouped-query attention)."""
+    n, H, hd = q.shape
+    G = H // k.shape[1]
+    kk = k.repeat_interleave(G, dim=1).transpose(0, 1)  # [H, L, hd]
+    vv = v.repeat_interleave(G, dim=1).transpose(0, 1)
+    s = torch.matmul(q.transpose(0, 1).float(), kk.float().transpose(1, 2)) / math.sqrt(hd)  # [H, n, L]
+    if blocked is not None:
+        s = s.masked_fill(blocked, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), vv.float()).to(q.dtype).transpose(0, 1).reshape(n, H * hd)
+
+
+class Eagle3Drafter:
+    """Per request. State: the fused target features of every committed position, and the head's K/V for the
+    positions whose pair token is known (all committed positions but the newest, which waits for its next token).
+
+    Drafted positions' K/V live only in a scratch area past the committed length and are never committed: after
+    verification the accepted tokens are re-run with the target's real features (EAGLE's standard)."""
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, params: SamplingParams, max_len: int) -> None:
+        c = head.cfg
+        self.head, self.params = head, params
+        self.feature_layers = head.feature_layers
+        dev, dt = head.fc.weight.device, head.fc.weight.dtype
+        self.feats = torch.empty(0, c.hidden_size, device=dev, dtype=dt)  # [n_feat, d] fused features
+        self.k = torch.empty(max_len + 1, c.num_kv_heads, c.head_dim, device=dev, dtype=dt)
+        self.v = torch.empty_like(self.k)
+        self.n_kv = 0  # head K/V written for positions 0 .. n_kv-1 (committed)
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=dev)
+            self.generator.manual_seed(params.seed + 2 if params.seed is not None else torch.seed())
+
+    @property
+    def n_feat(self) -> int:
+        return self.feats.shape[0]
+
+    @torch.inference_mode()
+    def add_features(self, feats: torch.Tensor) -> None:
+        """[n, len(layers) d] target features of the next committed positions -> fused [n, d]."""
+        self.feats = torch.cat([self.feats, self.head.fc(feats.to(self.feats.dtype))])
+
+    def _run(self, emb: torch.Tensor, feat: torch.Tensor, start: int) -> torch.Tensor:
+        """Write K/V at start.. and attend to 0..start+n-1 (causal). Returns the pre-norm outputs [n, d]."""
+        n = emb.shape[0]
+        pos = torch.arange(start, start + n, device=emb.device)
+        q, k, v = self.head.qkv(emb, feat, pos)
+        self.k[start : start + n], self.v[start : start + n] = k, v
+        blocked = None
+        if n > 1:
+            blocked = torch.arange(start + n, device=emb.device)[None, :] > pos[:, None]  # [n, L]
+        return self.head.post(feat, attend(q, self.k[: start + n], self.v[: start + n], blocked))
+
+    def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """[Vd] -> (target token id, q over the target vocabulary or None when greedy)."""
+        if self.params.greedy:
+            return int(self.head.to_target_ids(draft_logits.argmax())), None
+        p = self.params
+        q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        assert self.n_feat == len(context) - 1, (
+            f"EAGLE-3 holds features for {self.n_feat} positions but the context has {len(context)} tokens")
+        k = min(k, self.k.shape[0] - len(context))
+        if k <= 0 or self.n_feat == 0:
+            return Draft([])
+        dev = self.feats.device
+        # committed pairs not yet run: (f_j, x_{j+1}) for j = n_kv .. n_feat-1
+        j0 = self.n_kv
+        assert j0 < self.n_feat, "propose twice without new target features"
+        toks = torch.tensor(list(context[j0 + 1 :]), device=dev)
+        h = self._run(self.head.embed(toks), self.feats[j0:], j0)[-1:]  # [1, d] at position n_feat - 1
+        self.n_kv = self.n_feat
+        tokens, probs = [], []
+        pos = self.n_feat - 1
+        for i in range(k):
+            t, q = self._pick(self.head.logits(h)[0])
+            tokens.append(t)
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:  # own output becomes the next feature; scratch K/V past the committed ones
+                pos += 1
+                h = self._run(self.head.embed(torch.tensor([t], device=dev)), h, pos)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def observe(self, accepted: int) -> None:
+        """Nothing to undo: drafted K/V sit past n_kv and are overwritten by the next real pairs."""
+
+    @torch.inference_mode()
+    def check_state(self, ref: torch.Tensor, tokens: Sequence[int]) -> None:
+        """ref: [n, len(layers) d] features of every committed position, recomputed from scratch."""
+        n = len(tokens)
+        if self.n_feat != n or ref.shape[0] != n:
+            raise AssertionError(f"EAGLE-3 holds features for {self.n_feat} positions, the request commits {n}")
+        atol = 1e-4 if self.feats.dtype == torch.float32 else 1e-1
+        fused = self.head.fc(ref.to(self.feats.dtype))
+        bad = ((fused - self.feats).abs().amax(-1) > atol).nonzero()
+        if bad.numel():
+            raise AssertionError(f"EAGLE-3 feature of position {int(bad[0, 0])} differs from the target's")
+        if self.n_kv:
+            m = self.n_kv
+            pos = torch.arange(m, device=fused.device)
+            _, k, v = self.head.qkv(self.head.embed(torch.tensor(list(tokens[1 : m + 1]), device=fused.device)),
+                                    fused[:m], pos)
+            for name, live, want in (("K", self.k[:m], k), ("V", self.v[:m], v)):
+                bad = ((live - want).abs().amax(dim=(1, 2)) > atol).nonzero()
+                if bad.numel():
+                    raise AssertionError(f"EAGLE-3 {name} of position {int(bad[0, 0])} of {m} differs from a "
+                                         "recomputation from the committed tokens")
+
+    def release(self) -> None:
+        self.feats = self.feats[:0]
+        self.k = self.v = self.feats

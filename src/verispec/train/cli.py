@@ -1,0 +1,74 @@
+"""`verispec train data | eagle3 | dflash | dspark` and `verispec train export-eagle3`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_train_parser(sub) -> None:
+    train = sub.add_parser("train", help="train drafters: self-distillation data, EAGLE-3, DFlash, DSpark")
+    tsub = train.add_subparsers(dest="train_command", required=True)
+    from verispec.train import data
+
+    data.add_args(tsub.add_parser("data", help="the target answers a prompt corpus; its hidden states are captured "
+                                               "into sharded safetensors (resumable)"))
+    from verispec.train import eagle3
+
+    e = tsub.add_parser("eagle3", help="train an EAGLE-3 head (TTT unroll, reduced draft vocabulary)")
+    _target_args(e)
+    eagle3.add_args(e)
+    e.add_argument("--quick", action="store_true", help="a tiny, short run that proves the pipeline (CI)")
+    from verispec.train import dflash
+
+    for method in ("dflash", "dspark"):
+        p = tsub.add_parser(method, help=f"train a {'DSpark' if method == 'dspark' else 'DFlash'} block drafter")
+        dflash.add_args(p, method)
+    x = tsub.add_parser("export-eagle3", help="write a trained EAGLE-3 head in the layout vLLM and SGLang load")
+    x.add_argument("checkpoint", help="directory written by `verispec train eagle3` (or a shipped drafter's name)")
+    x.add_argument("out", help="directory for the export")
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="the target (default: the model named in the data)")
+    p.add_argument("--dtype", default="float32", help="the target's dtype during training")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    c = args.train_command
+    if c == "data":
+        from verispec.train import data
+
+        meta = data.run(args)
+        print(json.dumps({k: meta[k] for k in ("num_sequences", "tokens", "response_tokens", "generate_s",
+                                               "capture_s", "prompts_too_long")}, indent=1))
+        return 0
+    if c == "export-eagle3":
+        from verispec.drafters.eagle3_export import export_from_checkpoint
+
+        path = export_from_checkpoint(args.checkpoint, args.out)
+        print(f"wrote {path}")
+        return 0
+    if c == "eagle3":
+        from verispec.models.loader import load_model
+        from verispec.train import eagle3
+
+        if args.quick:  # tiny and short: proves data -> training -> checkpoint end to end
+            args.updates = args.updates or 3
+            args.intermediate_size = args.intermediate_size or 64
+            args.draft_vocab = min(args.draft_vocab, 2048)
+            args.ttt_steps = min(args.ttt_steps, 3)
+            args.max_len = min(args.max_len, 256)
+            args.batch = 1
+        from verispec.train.shards import read_meta
+
+        target, _ = load_model(args.model or read_meta(args.data)["model"], dtype=args.dtype, device="cpu")
+        info = eagle3.run(args, target)
+        print(json.dumps({k: info[k] for k in ("updates", "wall_s", "heldout_before", "heldout_after")}, indent=1))
+        return 0
+    from verispec.train import dflash
+
+    info = dflash.run(args, c)
+    if isinstance(info, dict):
+        print(json.dumps({k: v for k, v in info.items() if k != "curve"}, indent=1, default=str)[:4000])
+    return 0

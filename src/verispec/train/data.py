@@ -1,0 +1,174 @@
+"""`verispec train data`: self-distillation data. The target answers a prompt corpus (greedy and sampled), then one
+from-scratch forward per sequence captures the hidden states the drafters read; shards are written as they finish,
+so an interrupted run resumes where it stopped (finished shards are kept, the rest are redone)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from verispec.drafters.features import dflash_layers, eagle3_layers
+from verispec.train.corpus import project_prompts
+from verispec.train.shards import read_meta, shard_name, write_meta, write_shard
+
+# settings that must match for a resumed run to extend the same data set
+_FIXED = ("model", "layers", "sources", "modes", "max_tokens", "temperature", "shard_size", "seed", "jobs_total")
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """What EAGLE-3 and DFlash / DSpark (1..5 draft layers) read: captured once for all of them."""
+    s = set(eagle3_layers(num_layers))
+    for n in (1, 2, 3, 5):
+        s |= set(dflash_layers(num_layers, n))
+    return sorted(s)
+
+
+def read_prompt_file(path: str, limit: int | None) -> list[dict]:
+    """JSONL with {"turns": [...]} (first turn used), {"prompt": ...} or {"messages": [...]} per line."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        if "messages" in obj:
+            msgs = obj["messages"]
+        elif "turns" in obj:
+            msgs = [{"role": "user", "content": obj["turns"][0]}]
+        elif "prompt" in obj:
+            msgs = [{"role": "user", "content": obj["prompt"]}]
+        else:
+            raise ValueError(f"{path}, line {i + 1}: needs 'turns', 'prompt' or 'messages'")
+        out.append({"id": f"{Path(path).stem}-{i:04d}", "messages": msgs})
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def collect_prompts(files: list[str], per_file: int | None, project: bool) -> list[dict]:
+    """All sources, interleaved round-robin, so that any prefix of the data (a stopped run) mixes every source."""
+    sources = []
+    if project:
+        sources.append([{"id": p["id"], "messages": [{"role": "user", "content": p["prompt"]}]}
+                        for p in project_prompts()])
+    for f in files:
+        sources.append(read_prompt_file(f, per_file))
+    prompts = [s[i] for i in range(max((len(s) for s in sources), default=0)) for s in sources if i < len(s)]
+    if not prompts:
+        raise ValueError("no prompts: pass --prompts FILE.jsonl or keep the project's own prompts")
+    return prompts
+
+
+def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str], modes: tuple[str, ...] = ("greedy",),
+                  max_tokens: int = 256, temperature: float = 0.7, shard_size: int = 32, seed: int = 0,
+                  layers: list[int] | None = None, progress: bool = True) -> dict:
+    """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run."""
+    from verispec.drafters.features import target_features
+    from verispec.sampling import SamplingParams
+
+    model = llm.model
+    layers = sorted(layers or default_layers(model.cfg.num_layers))
+    bad = [i for i in layers if not 0 <= i <= model.cfg.num_layers]
+    if bad:
+        raise ValueError(f"layers {bad} are outside 0..{model.cfg.num_layers}")
+    fits = []
+    for p in prompts:  # prompts that cannot fit with their response are left out, and counted
+        if "ids" in p:  # already token ids (models without a tokenizer)
+            ids = p["ids"]
+        else:
+            ids = llm.tokenizer(llm.apply_chat_template(p["messages"]), add_special_tokens=False)["input_ids"]
+        if len(ids) + max_tokens <= llm.max_model_len:
+            fits.append({**p, "ids": list(ids)})
+    skipped = len(prompts) - len(fits)
+    jobs = [(p, m) for p in fits for m in modes]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": llm.resolved.name, "num_layers": model.cfg.num_layers, "hidden_size": model.cfg.hidden_size,
+            "dtype": str(model.dtype).removeprefix("torch."), "layers": layers, "sources": sources,
+            "modes": list(modes), "max_tokens": max_tokens, "temperature": temperature, "shard_size": shard_size,
+            "seed": seed, "jobs_total": len(jobs), "shards": [], "num_sequences": 0, "tokens": 0,
+            "response_tokens": 0, "generate_s": 0.0, "capture_s": 0.0,
+            "prompts_too_long": skipped}
+    if (out / "meta.json").exists():
+        old = read_meta(out)
+        diff = [k for k in _FIXED if old.get(k) != meta[k]]
+        if diff:
+            raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
+                             "use another --out directory or delete it")
+        meta = old
+    n_shards = (len(jobs) + shard_size - 1) // shard_size
+    todo = [i for i in range(n_shards) if i not in set(meta["shards"]) or not (out / shard_name(i)).exists()]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - sum(min(shard_size, len(jobs) - i * shard_size) for i in todo),
+               desc="train data", unit="seq", disable=not progress)
+    for i in todo:
+        chunk = jobs[i * shard_size : (i + 1) * shard_size]
+        t0 = time.perf_counter()
+        encoded, params = [], []
+        for j, (p, mode) in enumerate(chunk):
+            encoded.append({"prompt_token_ids": p["ids"]})
+            if mode == "greedy":
+                params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            else:
+                params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                             seed=seed * 1_000_003 + i * shard_size + j))
+        outs = llm.generate(encoded, params, use_tqdm=False)
+        t1 = time.perf_counter()
+        seqs = []
+        for o in outs:
+            ids = list(o.prompt_token_ids) + list(o.token_ids)
+            feats, fwd = target_features(model, ids, layers)
+            del feats
+            seqs.append((ids, len(o.prompt_token_ids), {k: fwd.hidden[k].float() for k in layers},
+                         fwd.last_hidden.float()))  # type: ignore[union-attr]
+            meta["tokens"] += len(ids)
+            meta["response_tokens"] += len(o.token_ids)
+        write_shard(out / shard_name(i), seqs)
+        meta["shards"] = sorted(set(meta["shards"]) | {i})
+        meta["num_sequences"] += len(seqs)
+        meta["generate_s"] = round(meta["generate_s"] + t1 - t0, 1)
+        meta["capture_s"] = round(meta["capture_s"] + time.perf_counter() - t1, 1)
+        write_meta(out, meta)
+        bar.update(len(chunk))
+    bar.close()
+    return meta
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the target (known name, .gguf, HF directory)")
+    p.add_argument("--out", required=True, help="data directory (resumed if it exists)")
+    p.add_argument("--prompts", nargs="*", default=[], help="extra prompt files (JSONL: turns / prompt / messages)")
+    p.add_argument("--per-file", type=int, default=None, help="use at most this many prompts of each file")
+    p.add_argument("--no-project-prompts", action="store_true", help="leave out verispec's own training prompts")
+    p.add_argument("--modes", default="greedy,sampled", help="comma list of greedy / sampled responses per prompt")
+    p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled responses")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--shard-size", type=int, default=32, help="sequences per shard")
+    p.add_argument("--layers", default=None, help="comma list of target layers to capture (default: all drafters')")
+    p.add_argument("--dtype", default="float32", help="the target's dtype while generating")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests generated at once")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts in all (quick runs)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from verispec import LLM
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("greedy", "sampled")]
+    if bad or not modes:
+        raise ValueError(f"--modes takes greedy and/or sampled, got {args.modes!r}")
+    prompts = collect_prompts(args.prompts, args.per_file, not args.no_project_prompts)
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    sources = (["verispec.train.corpus"] if not args.no_project_prompts else []) + [Path(f).name for f in args.prompts]
+    if args.per_file is not None:
+        sources.append(f"per_file={args.per_file}")
+    if args.limit is not None:
+        sources.append(f"limit={args.limit}")
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    return generate_data(llm, args.out, prompts, sources=sources, modes=modes, max_tokens=args.max_tokens,
+                         temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, layers=layers)

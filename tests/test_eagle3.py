@@ -1,0 +1,211 @@
+"""EAGLE-3 end to end on a tiny target: self-distillation data -> TTT training -> drafting in the engine.
+
+References: HF transformers' greedy output (the engine with the head must equal it), a from-scratch recomputation
+of the head's state (state oracle, with a negative control), a plain-torch re-implementation of the head from the
+EXPORTED tensor names (so the vLLM/SGLang layout maps every weight to its role), and the drafter's own inference
+loop for the training-time-test unroll (training must see what inference sees)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from verispec import LLM, SamplingParams
+from verispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load
+from verispec.drafters.eagle3_export import export_from_checkpoint
+from verispec.train import eagle3 as te
+from verispec.train.data import generate_data
+from verispec.train.shards import load_all
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4.0)  # sharp distributions: a learnable target
+    root = tmp_path_factory.mktemp("eagle3")
+    hf.save_pretrained(root / "target")
+    llm = LLM(str(root / "target"), dtype="float32", max_model_len=128, max_num_seqs=4, progress=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"id": f"p{i}", "ids": torch.randint(1, 60, (8,), generator=g).tolist()} for i in range(24)]
+    generate_data(llm, str(root / "data"), prompts, sources=["test"], modes=("greedy", "sampled"), max_tokens=40,
+                  shard_size=16, progress=False)
+    info = te.train(str(root / "data"), llm.model, str(root / "head"), draft_vocab=40, steps=3, max_updates=150,
+                    lr=3e-3, batch=2, progress=False)
+    return {"root": root, "hf": hf, "llm": llm, "prompts": prompts, "info": info}
+
+
+def test_training_lowers_heldout_loss_and_raises_accuracy(setup):
+    before, after = setup["info"]["heldout_before"], setup["info"]["heldout_after"]
+    assert after["loss"] < before["loss"] - 0.1
+    assert after["top1_per_step"][0] > before["top1_per_step"][0] + 0.05
+
+
+def test_build_vocab_keeps_the_most_frequent_response_tokens():
+    from verispec.train.shards import TrainSequence
+
+    z = torch.zeros(6, 2)
+    seqs = [TrainSequence(torch.tensor([9, 9, 9, 4, 4, 7]), 1, {}, z),  # the prompt token 9 does not count
+            TrainSequence(torch.tensor([1, 4, 2, 2, 2]), 1, {}, z[:5])]
+    d2t, t2d = te.build_vocab(seqs, 3, 10)  # counts: 2 x3, 4 x3, 9 x2, 7 x1
+    assert torch.nonzero(t2d).flatten().tolist() == [2, 4, 9]
+    assert (torch.arange(3) + d2t).tolist() == [2, 4, 9]
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dspark"])
+def test_greedy_output_equals_hf_with_state_oracle(setup, scheduler):
+    """6 requests on 4 slots, 8-token batches (chunked prefill hands features over in pieces), state oracle on."""
+    head_dir = str(setup["root"] / "head")
+    llm = LLM(str(setup["root"] / "target"), dtype="float32", max_model_len=128, max_num_seqs=4, progress=False,
+              speculative_config={"method": "eagle3", "model": head_dir, "num_speculative_tokens": 4},
+              check_state=True, scheduler=scheduler, max_num_batched_tokens=8)
+    prompts = [p["ids"] + p["ids"][:3] for p in setup["prompts"][:6]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * 6, use_tqdm=False)
+    taus = []
+    for p, o in zip(prompts, outs):
+        ref = setup["hf"].generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert o.token_ids == ref
+        taus.append(o.stats["mean_acceptance_length"])
+    assert max(taus) > 1.2, "the trained head should get some drafts accepted (else multi-token commits go untested)"
+    assert llm.engine.kv_tokens() == 0
+
+
+def test_state_oracle_catches_a_stale_drafter_position(setup):
+    """Negative control: corrupt one committed K/V row of the head; the oracle must name it."""
+    from verispec.drafters.features import target_features
+
+    llm = setup["llm"]
+    head = load(setup["root"] / "head", llm.model)
+    d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
+    ids = setup["prompts"][0]["ids"]
+    feats, _ = target_features(llm.model, ids, head.feature_layers)
+    d.add_features(feats[:-1])
+    d.propose(ids, 3)
+    d.observe(0)  # the target rejected every draft: the pending token is committed, with its features
+    d.add_features(feats[-1:])
+    d.check_state(feats, ids)  # consistent
+    d.k[2] += 0.5
+    with pytest.raises(AssertionError, match="K of position 2"):
+        d.check_state(feats, ids)
+
+
+def test_ttt_unroll_matches_inference_drafting(setup):
+    """Step i, index j of the training unroll = the drafter's logits for draft token i + 1 after context x_0..x_{j+1},
+    when the sequence continues with the drafter's own drafts."""
+    llm = setup["llm"]
+    head = load(setup["root"] / "head", llm.model)
+    seq = load_all(setup["root"] / "data")[0]
+    j = 11
+    ctx = seq.ids[: j + 2].tolist()
+    feats = seq.features(head.feature_layers)
+    d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
+    d.add_features(feats[: j + 1])
+    steps = 3
+    # the drafter's logits at each draft position, recorded around its own loop
+    seen: list[torch.Tensor] = []
+    orig = head.logits
+    head.logits = lambda h: (seen.append(orig(h)), seen[-1])[1]  # type: ignore[method-assign]
+    try:
+        draft = d.propose(ctx, steps)
+    finally:
+        head.logits = orig  # type: ignore[method-assign]
+    ids = torch.tensor(ctx + draft.tokens)
+    f = torch.cat([feats[: j + 1], torch.randn(len(ids) - j - 1, feats.shape[1])])  # later features unused
+    with torch.no_grad():
+        unrolled = te.ttt_logits(head, f, ids, steps)
+    for i in range(steps):
+        torch.testing.assert_close(unrolled[i][j], seen[i][0], atol=1e-4, rtol=1e-4)
+
+
+def _reference_eagle3(sd: dict, cfg: dict, embed: torch.Tensor, feats: torch.Tensor, ids: torch.Tensor,
+                      rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3's layer written from the paper and vLLM's layout, reading only the exported names."""
+    eps, H, K, hd = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def norm(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rot(x, n):  # HF's rotate_half convention, with the plain sine of each frequency
+        cos = rope_cos[:n, None, :]
+        s = rope_sin[:n, None, hd // 2 :]  # the table's second half holds +sin
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * torch.cat([s, s], -1)
+
+    n = ids.shape[0]
+    h = feats @ sd["fc.weight"].float().t()
+    u = torch.cat([norm(embed[ids], sd["layers.0.input_layernorm.weight"].float()),
+                   norm(h, sd["layers.0.hidden_norm.weight"].float())], -1)
+    a = "layers.0.self_attn."
+    q = rot((u @ sd[a + "q_proj.weight"].float().t()).view(n, H, hd), n)
+    k = rot((u @ sd[a + "k_proj.weight"].float().t()).view(n, K, hd), n).repeat_interleave(H // K, 1)
+    v = (u @ sd[a + "v_proj.weight"].float().t()).view(n, K, hd).repeat_interleave(H // K, 1)
+    s = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(hd)
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    att = torch.einsum("hnm,mhd->nhd", s.softmax(-1), v).reshape(n, H * hd)
+    x = h + att @ sd[a + "o_proj.weight"].float().t()
+    m = norm(x, sd["layers.0.post_attention_layernorm.weight"].float())
+    mlp = F.silu(m @ sd["layers.0.mlp.gate_proj.weight"].float().t()) * (m @ sd["layers.0.mlp.up_proj.weight"].float().t())
+    x = x + mlp @ sd["layers.0.mlp.down_proj.weight"].float().t()
+    return norm(x, sd["norm.weight"].float()) @ sd["lm_head.weight"].float().t()  # [n, Vd]
+
+
+def test_export_reads_back_under_vllm_and_sglang_names(setup, tmp_path):
+    llm = setup["llm"]
+    # a 3-aux-layer head, as vLLM / SGLang require
+    cfg = Eagle3Config.for_target(llm.model, (1, 3, 4), draft_vocab_size=40)
+    torch.manual_seed(5)
+    head = Eagle3Head(cfg, llm.model)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+        chosen = torch.arange(5, 45)
+        head.d2t.copy_(chosen - torch.arange(40))
+        head.t2d[chosen] = True
+    head.save_pretrained(tmp_path / "ckpt")
+    out = export_from_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "export"), dtype=torch.float32)
+    conf = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["num_hidden_layers"] == 1
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] == conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert conf["draft_vocab_size"] == 40 and conf["vocab_size"] == 60 and conf["target_hidden_size"] == 32
+    d = cfg.hidden_size
+    assert sd["fc.weight"].shape == (d, 3 * d)
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (cfg.num_heads * cfg.head_dim, 2 * d)
+    assert sd["lm_head.weight"].shape == (40, d)
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool and int(sd["t2d"].sum()) == 40
+    assert (torch.arange(40) + sd["d2t"]).tolist() == torch.nonzero(sd["t2d"]).flatten().tolist()
+    assert not any("embed" in k for k in sd), "the embedding is the target's and must not be exported"
+    # the exported tensors, used by their names, compute what our head computes
+    ids = torch.tensor([3, 17, 22, 9, 41, 5, 8])
+    feats = torch.randn(len(ids), 3 * d)
+    ref = _reference_eagle3(sd, conf, llm.model.embed.float(), feats, ids, llm.model.rope_cos, llm.model.rope_sin)
+    with torch.no_grad():
+        ours = te.ttt_logits(head, torch.cat([feats, feats[-1:]]), torch.cat([torch.tensor([0]), ids]), 1)[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_loading_a_head_for_another_target_is_refused(setup, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from verispec.models.loader import load_model
+
+    other_cfg = LlamaConfig(vocab_size=70, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(other_cfg).save_pretrained(tmp_path / "other")
+    other, _ = load_model(str(tmp_path / "other"), dtype="float32", device="cpu", progress=False)
+    with pytest.raises(ValueError, match="trained for a target"):
+        load(setup["root"] / "head", other)
