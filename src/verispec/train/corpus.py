@@ -34,7 +34,7 @@ COUNTRIES = ["Kenya", "Peru", "Norway", "Vietnam", "Canada", "Egypt", "Chile", "
              "Portugal", "Mexico", "Finland", "Morocco", "Australia"]
 FUNCS = [
     ("count_vowels(s: str) -> int", "counts the vowels in a string"),
-    ("flatten(xs: list) -> list", "flattens a nested list of any depth"),
+    ("interleave(a: list, b: list) -> list", "alternates the items of two lists, then appends the rest"),
     ("chunk(xs: list, n: int) -> list[list]", "splits a list into chunks of size n"),
     ("is_prime(n: int) -> bool", "tests whether n is a prime number"),
     ("word_freq(text: str) -> dict[str, int]", "counts how often each word appears, ignoring case"),
@@ -52,7 +52,7 @@ FUNCS = [
 ]
 LANGS = ["Python", "JavaScript", "Python", "Rust", "Go", "Python", "TypeScript", "Bash"]
 QUESTIONS = [
-    "How do I start learning to play the guitar as an adult?", "What is the difference between weather and climate?",
+    "How do I start learning to play the guitar as an adult?", "How do meteorologists forecast rain several days ahead?",
     "Give me three tips for writing a clear email to a busy manager.", "Why do cats purr?",
     "How does compound interest work? Use a small example.", "What should I pack for a three-day hiking trip?",
     "Explain what a neural network is to a twelve-year-old.", "How can I make my mornings less rushed?",
@@ -61,7 +61,7 @@ QUESTIONS = [
     "Why is the ocean salty?", "How do I politely decline an invitation?", "What makes bread rise?",
     "Describe the water cycle in a few sentences.", "What are the pros and cons of working from home?",
     "How do solar panels produce electricity?", "Give me ideas for a birthday party on a small budget.",
-    "What is the difference between a virus and a bacterium?", "How can I improve my sleep?",
+    "Why do some medicines only work against certain infections?", "How can I improve my sleep?",
     "Explain recursion with an everyday analogy.", "What are some healthy snacks for work?",
     "How does a bill become a law in a parliament, in general terms?", "Why do leaves change colour in autumn?",
     "How do I keep houseplants alive?", "What is the greenhouse effect?", "How should I prepare for a job interview?",

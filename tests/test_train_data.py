@@ -1,0 +1,96 @@
+"""`verispec train data`: the captured states equal HF transformers' hidden states, shards resume after an
+interruption with identical content, mismatched settings are refused, the project corpus avoids benchmark prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verispec import LLM
+from verispec.train.data import generate_data
+from verispec.train.shards import load_all, read_meta, shard_name, target_logits, write_meta
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    d = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(d)
+    llm = LLM(str(d), dtype="float32", max_model_len=96, max_num_seqs=3, progress=False)
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"id": f"p{i}", "ids": torch.randint(0, 50, (5 + i,), generator=g).tolist()} for i in range(5)]
+    return hf, llm, prompts
+
+
+def _gen(llm, out, prompts, **kw):
+    return generate_data(llm, str(out), prompts, sources=["test"], modes=("greedy", "sampled"), max_tokens=12,
+                         shard_size=4, layers=[1, 3, 5], progress=False, **kw)
+
+
+def test_captured_states_equal_hf_hidden_states(tiny, tmp_path):
+    hf, llm, prompts = tiny
+    _gen(llm, tmp_path, prompts)
+    seqs = load_all(tmp_path)
+    assert len(seqs) == 10 and all(len(s.ids) == s.prompt_len + 12 for s in seqs)
+    for s in seqs[:4]:
+        with torch.no_grad():
+            ref = hf(s.ids[None], output_hidden_states=True)
+        for i in (1, 3, 5):  # HF's hidden_states[i] enters layer i; [L] is the last layer's output after the norm
+            want = ref.hidden_states[i][0] if i < 5 else None
+            if want is not None:
+                torch.testing.assert_close(s.hidden[i], want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(target_logits(s.last_hidden, hf.lm_head.weight), ref.logits[0], atol=5e-2, rtol=5e-2)
+    # greedy responses are the target's own greedy continuation
+    greedy = seqs[0]
+    out = hf.generate(greedy.ids[None, : greedy.prompt_len], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out[0].tolist() == greedy.ids.tolist()
+
+
+def test_interrupted_run_resumes_with_identical_shards(tiny, tmp_path):
+    _, llm, prompts = tiny
+    meta = _gen(llm, tmp_path, prompts)
+    assert meta["shards"] == [0, 1, 2] and meta["num_sequences"] == 10
+    before = load_file(str(tmp_path / shard_name(1)))
+    # interruption: shard 1 lost, and shard 2 written but never recorded in meta.json
+    (tmp_path / shard_name(1)).unlink()
+    meta["shards"] = [0]
+    write_meta(tmp_path, meta)
+    again = _gen(llm, tmp_path, prompts)
+    assert again["shards"] == [0, 1, 2]
+    after = load_file(str(tmp_path / shard_name(1)))
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+def test_resuming_with_other_settings_is_refused(tiny, tmp_path):
+    _, llm, prompts = tiny
+    _gen(llm, tmp_path, prompts[:2])
+    with pytest.raises(ValueError, match="other settings"):
+        generate_data(llm, str(tmp_path), prompts[:2], sources=["test"], modes=("greedy",), max_tokens=12,
+                      shard_size=4, layers=[1, 3, 5], progress=False)
+    assert read_meta(tmp_path)["modes"] == ["greedy", "sampled"]
+
+
+def test_project_corpus_does_not_reuse_benchmark_prompts():
+    from verispec.bench.workloads import WORKLOADS, load_workload
+    from verispec.train.corpus import project_prompts
+
+    def windows(text: str, n: int = 8) -> set[tuple[str, ...]]:
+        w = text.lower().split()
+        return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+    bench = set()
+    for name in WORKLOADS:
+        for p in load_workload(name):
+            bench |= windows(" ".join(m["content"] for m in p.messages))
+    ours = project_prompts()
+    assert len(ours) >= 150 and {p["kind"] for p in ours} == set(WORKLOADS)
+    shared = [p["id"] for p in ours if windows(p["prompt"]) & bench]
+    assert not shared, f"training prompts share an 8-word run with benchmark prompts: {shared[:5]}"
