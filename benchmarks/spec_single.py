@@ -17,6 +17,7 @@ import sys
 from collections import defaultdict
 
 from verispec import LLM, SamplingParams
+from verispec.bench.single import method_spec
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import compare_greedy
 
@@ -32,8 +33,12 @@ def run(args) -> dict:
         base = LLM(args.model, dtype=dtype, device="cpu", max_model_len=2048, progress=False)
         engines = {"none": base}
         for name in args.methods.split(","):
-            spec = dict(METHODS[name]) if name in METHODS else {"method": "draft_model", "model": name,
-                                                                  "num_speculative_tokens": 4}
+            if name in METHODS:
+                spec = dict(METHODS[name])
+            elif ":" in name:  # eagle3:DIR, dflash:DIR, dspark:DIR, draft_model:DIR
+                spec = method_spec(name, args.k)
+            else:
+                spec = {"method": "draft_model", "model": name, "num_speculative_tokens": 4}
             engines[name] = base.with_speculation(spec)
         for e in engines.values():
             if e.spec.method != "none":
@@ -94,7 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--methods", default="ngram,suffix", help="ngram, suffix, or a draft model path")
+    ap.add_argument("--methods", default="ngram,suffix",
+                    help="ngram, suffix, a draft model path, or eagle3:DIR / dflash:DIR / dspark:DIR")
+    ap.add_argument("--k", type=int, default=7, help="most draft tokens per step for learned drafters")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -1,0 +1,145 @@
+"""Learned drafters on the shipped workloads: tau per workload, single-stream speed vs plain, identity, and DSpark's
+calibration measured online (expected calibration error of its survival predictions against what verification did).
+
+Conditions (MEASURE.md): concurrency 1; metrics = tau (mean tokens committed per verification step, bonus included)
+and output tok/s of one stream (whole request, prefill included); baseline = speculation off on the same target,
+dtype, prompts and run, interleaved (order rotated per prompt); drafters verify a fixed K (static scheduler) so tau
+is the drafter's own, unless --scheduler says otherwise.
+
+    python benchmarks/learned_drafters.py --drafters eagle3:DIR,dflash:DIR,dspark:DIR --dtype bfloat16 --limit 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+from verispec import LLM, SamplingParams
+from verispec.bench.single import method_spec
+from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.check.identity import compare_greedy
+from verispec.train.calibrate import ece
+
+
+class Recorder:
+    """Wraps a drafter: keeps (cumulative survival prediction, survived?) for every verified draft position."""
+
+    def __init__(self, inner, pairs: list) -> None:
+        self.inner, self.pairs, self.last = inner, pairs, None
+        self.name = inner.name
+        self.feature_layers = getattr(inner, "feature_layers", ())
+
+    def propose(self, context, k):
+        d = self.inner.propose(context, k)
+        self.last = d
+        return d
+
+    def observe(self, accepted):
+        d = self.last
+        if d is not None and d.confidence:
+            surv = 1.0
+            for j, c in enumerate(d.confidence):  # static scheduler: every proposed position was verified
+                surv *= c
+                self.pairs.append((surv, 1.0 if accepted > j else 0.0))
+        self.inner.observe(accepted)
+
+    def add_features(self, feats):
+        self.inner.add_features(feats)
+
+    def check_state(self, ref, tokens):
+        self.inner.check_state(ref, tokens)
+
+    def release(self):
+        self.inner.release()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--drafters", required=True, help="comma list of eagle3:DIR, dflash:DIR, dspark:DIR, ngram")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--limit", type=int, default=3, help="prompts per workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=7, help="draft tokens verified per step")
+    ap.add_argument("--scheduler", default="static")
+    ap.add_argument("--json", help="write raw per-run records here")
+    args = ap.parse_args()
+
+    base = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=2048, max_num_seqs=1, progress=False)
+    engines = {"none": base}
+    pairs: list = []
+    for item in args.drafters.split(","):
+        name = item.split(":", 1)[0]
+        spec = method_spec(item, args.k)
+        spec["adaptive"] = args.scheduler != "static"
+        e = base.with_speculation(spec)
+        e.scheduler = args.scheduler
+        if name == "dspark":
+            new = e.drafters.new
+            e.drafters.new = lambda params, n, _new=new: Recorder(_new(params, n), pairs)  # type: ignore[method-assign]
+        engines[name] = e
+        if args.scheduler != "static":
+            _ = e.costs
+    records = []
+    for wl in args.workloads.split(","):
+        for i, wp in enumerate(load_workload(wl, limit=args.limit)):
+            ids = base.tokenizer(base.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
+            params = SamplingParams(temperature=0, max_tokens=min(wp.max_tokens, args.max_tokens))
+            names = list(engines)
+            shift = i % len(names)
+            got = {n: engines[n].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                   for n in names[shift:] + names[:shift]}
+            plain = got["none"]
+            for n, out in got.items():
+                div = None if n == "none" else compare_greedy(base.model, ids, plain.token_ids, out.token_ids)
+                records.append({"workload": wl, "prompt": wp.id, "method": n, "tok_per_s": out.stats["tok_per_s"],
+                                "ratio": out.stats["tok_per_s"] / plain.stats["tok_per_s"],
+                                "tau": out.stats["mean_acceptance_length"] if n != "none" else 1.0,
+                                "identical": div is None, "near_tie": bool(div and div.near_tie),
+                                "divergence": None if div is None else str(div)})
+            print(".", end="", flush=True, file=sys.stderr)
+    print(file=sys.stderr)
+    by = defaultdict(list)
+    for r in records:
+        by[(r["workload"], r["method"])].append(r)
+    print(f"dtype {args.dtype}, K = {args.k}, scheduler {args.scheduler}, {args.limit} prompts per workload, "
+          f"max {args.max_tokens} tokens, greedy")
+    print("| workload | method | tau (mean) | tok/s (median) | speedup vs plain, median (min..max) | identical |")
+    print("|---|---|---|---|---|---|")
+    for (wl, n), rs in by.items():
+        if n == "none":
+            continue
+        ratios = [r["ratio"] for r in rs]
+        print(f"| {wl} | {n} | {statistics.mean(r['tau'] for r in rs):.2f} | "
+              f"{statistics.median(r['tok_per_s'] for r in rs):.1f} | x{statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}..{max(ratios):.2f}) | {sum(r['identical'] for r in rs)}/{len(rs)} |")
+    for n in engines:
+        if n != "none":
+            rs = [r for r in records if r["method"] == n]
+            print(f"overall {n}: tau {statistics.mean(r['tau'] for r in rs):.2f}, "
+                  f"speedup median x{statistics.median(r['ratio'] for r in rs):.2f}")
+    summary = {}
+    if pairs:
+        import torch
+
+        probs = torch.tensor([p for p, _ in pairs])
+        outcomes = torch.tensor([o for _, o in pairs])
+        summary = {"dspark_online_ece": float(ece(probs, outcomes)), "dspark_positions": len(pairs),
+                   "mean_prediction": float(probs.mean()), "mean_survival": float(outcomes.mean())}
+        print(f"DSpark online calibration: ECE {summary['dspark_online_ece']:.3f} over {len(pairs)} verified "
+              f"positions (mean predicted survival {summary['mean_prediction']:.3f}, observed "
+              f"{summary['mean_survival']:.3f})")
+    for r in records:
+        if r["divergence"]:
+            print(f"  {r['method']} {r['prompt']}: {r['divergence']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "records": records, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

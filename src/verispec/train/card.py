@@ -1,0 +1,64 @@
+"""Model cards for trained drafters, and shrinking a checkpoint to the size it ships at."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verispec.train.shards import read_meta
+
+TITLES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash block drafter", "dspark": "DSpark block drafter"}
+
+
+def to_bf16(directory: str | Path) -> int:
+    """Store the floating-point weights in bf16 (they are cast to the target's dtype when loaded); returns bytes."""
+    p = Path(directory) / "model.safetensors"
+    sd = load_file(str(p))
+    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    save_file(sd, str(p))
+    return p.stat().st_size
+
+
+def write_card(directory: str | Path, method: str, *, commands: list[str], data_dir: str | Path, measured: str,
+               notes: list[str] = ()) -> Path:
+    """README.md next to the checkpoint: what it is, the exact commands, the data, training time, measured tau."""
+    d = Path(directory)
+    log = json.loads((d / "train_log.json").read_text())
+    meta = read_meta(data_dir)
+    wall = log.get("wall_s", log.get("wall_seconds"))
+    lines = [
+        f"# {TITLES[method]} for SmolLM2-135M-Instruct",
+        "",
+        f"A verispec `{method}` drafter for the default model (`smollm2-135m-instruct`, the Q4_1 GGUF dequantised). "
+        f"Use: `verispec generate ... --method {method} --draft-model {d.name}` or "
+        f"`speculative_config={{\"method\": \"{method}\", \"model\": \"{d.name}\"}}`. "
+        "Output is identical to plain greedy decoding (sampling stays exact); the drafter only changes speed.",
+        "",
+        "## How it was made (2026-11-29, 2-core AVX2 CPU, no GPU)",
+        "",
+        "```bash",
+        *commands,
+        "```",
+        "",
+        f"- Data: {meta['num_sequences']} target responses ({meta['response_tokens']} response tokens, "
+        f"{meta['tokens']} tokens in all), modes {', '.join(meta['modes'])}, max {meta['max_tokens']} tokens each, "
+        f"from: {', '.join(meta['sources'])}. The project prompts share no 8-word run with the benchmark workloads "
+        "(tested); public prompt files are DeepSpec's eval prompt sets (MIT), used as inputs only.",
+        f"- Data generation: {meta['generate_s'] / 60:.0f} min generating + {meta['capture_s'] / 60:.0f} min capturing "
+        "hidden states, on the same machine while other jobs ran.",
+        f"- Training: {float(wall) / 60:.1f} min wall-clock on 2 shared CPU cores (budget-limited).",
+        "",
+        "## Measured",
+        "",
+        measured,
+        "",
+    ]
+    if notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    lines += ["Training log: `train_log.json` (loss curve, held-out metrics).", ""]
+    out = d / "README.md"
+    out.write_text("\n".join(lines))
+    return out

@@ -1,0 +1,43 @@
+"""Shipped drafters: found by name, documented by a model card, and lossless on the default model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verispec.drafters.shipped import resolve, shipped_names, shipped_root
+
+
+def test_unknown_drafter_name_says_what_to_do():
+    with pytest.raises(FileNotFoundError, match="verispec train"):
+        resolve("no-such-drafter")
+
+
+def test_a_directory_resolves_to_itself(tmp_path):
+    assert resolve(str(tmp_path)) == tmp_path
+
+
+@pytest.mark.parametrize("name", shipped_names())
+def test_model_card_states_command_data_time_and_tau(name):
+    d = shipped_root() / name
+    card = (d / "README.md").read_text()
+    for needle in ("verispec train data", "verispec train", "Training:", "tau", "| workload |"):
+        assert needle in card, f"{name}'s model card lacks {needle!r}"
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg.get("architectures"), "config.json must name the architecture"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", shipped_names())
+def test_shipped_drafter_is_lossless_on_the_default_model(name):
+    from verispec import LLM, SamplingParams
+
+    method = name.rsplit("-", 1)[-1]
+    plain = LLM(dtype="float32", device="cpu", max_model_len=512, progress=False)
+    fast = plain.with_speculation({"method": method, "model": name, "num_speculative_tokens": 7}, check_state=True)
+    msgs = [[{"role": "user", "content": "Write a Python function that returns the squares of a list."}]]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    out = fast.chat(msgs, params, use_tqdm=False)[0]
+    assert out.token_ids == plain.chat(msgs, params, use_tqdm=False)[0].token_ids
+    assert out.stats["mean_acceptance_length"] > 1.0, "a shipped drafter should get drafts accepted"
