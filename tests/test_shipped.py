@@ -41,3 +41,11 @@ def test_shipped_drafter_is_lossless_on_the_default_model(name):
     out = fast.chat(msgs, params, use_tqdm=False)[0]
     assert out.token_ids == plain.chat(msgs, params, use_tqdm=False)[0].token_ids
     assert out.stats["mean_acceptance_length"] > 1.0, "a shipped drafter should get drafts accepted"
+
+
+def test_drafters_list_names_every_shipped_drafter(capsys):
+    from verispec.cli import main
+
+    assert main(["drafters", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in shipped_names())
