@@ -150,7 +150,8 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
     torch.manual_seed(seed)
     meta = read_meta(data_dir)
     seqs = load_all(data_dir)
-    seqs = [s for s in seqs if len(s.ids) - s.prompt_len >= 2]
+    # a sequence needs response positions inside the first max_len tokens (long prompts are truncated away)
+    seqs = [s for s in seqs if min(len(s.ids), max_len) - s.prompt_len >= 2]
     if len(seqs) < 2:
         raise ValueError(f"{data_dir} holds {len(seqs)} usable sequences; generate more with `verispec train data`")
     rng = random.Random(seed)
@@ -175,20 +176,24 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
     update = 0
     bar = tqdm(total=max_updates, desc="eagle3", unit="update", disable=not progress)
     before = evaluate(head, held, out_w, steps, max_len)
+    t_train = time.perf_counter()
     while True:
         elapsed = time.perf_counter() - start
         if (max_updates is not None and update >= max_updates) or (max_updates is None and elapsed >= budget):
             break
-        if max_updates is None and update == 5:  # time-budgeted: fix the schedule length from the pace so far
-            est_updates = max(update + 1, int(budget / (elapsed / update)))
+        if max_updates is None and update in (5, 50):  # time-budgeted: set the schedule length from the pace
+            pace = (time.perf_counter() - t_train) / update  # seconds per update, evaluation excluded
+            est_updates = max(update + 1, int((budget - (t_train - start)) / pace))
         frac = min(1.0, update / est_updates)
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (update + 1) / 20) * 0.5 * (1 + math.cos(math.pi * frac))
+        for g in opt.param_groups:  # warm-up, then cosine down to 5% of lr
+            g["lr"] = lr * min(1.0, (update + 1) / 20) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt.zero_grad()
         tot = 0.0
         for _ in range(batch):
             s = train_seqs[rng.randrange(len(train_seqs))]
             loss, _ = sequence_loss(head, s, out_w, steps, max_len)
+            if not loss.requires_grad:  # no position to learn from (cannot happen after the filter above)
+                continue
             (loss / batch).backward()
             tot += float(loss.detach()) / batch
         torch.nn.utils.clip_grad_norm_(params, 0.5)
