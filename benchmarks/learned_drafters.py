@@ -101,7 +101,8 @@ def main() -> None:
                                 "tau": out.stats["mean_acceptance_length"] if n != "none" else 1.0,
                                 "identical": div is None, "near_tie": bool(div and div.near_tie),
                                 "divergence": None if div is None else str(div)})
-            print(".", end="", flush=True, file=sys.stderr)
+            print(" ".join(f"{r['method']}:tau={r['tau']:.2f},x{r['ratio']:.2f},{'=' if r['identical'] else '!'}"
+                           for r in records[-len(got):]), wp.id, flush=True, file=sys.stderr)
     print(file=sys.stderr)
     by = defaultdict(list)
     for r in records:
