@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.test_engine import hf_greedy
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment
@@ -21,13 +22,6 @@ from verispec.train.shards import load_all, shard_name, write_meta, write_shard
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
 GREEDY = SamplingParams(temperature=0)
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

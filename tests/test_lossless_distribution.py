@@ -76,6 +76,19 @@ def sample_counts(llm: LLM) -> tuple[torch.Tensor, float, bool]:
     return counts, accepted / drafted, lossy
 
 
+def batched_counts(llm: LLM, n: int, batch: int = 16) -> tuple[torch.Tensor, list]:
+    """n seeded continuations, `batch` requests decoding together: counts per continuation, and the outputs."""
+    counts = torch.zeros(V**LENGTH)
+    outs = []
+    for first in range(0, n, batch):
+        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
+                  for i in range(batch)]
+        outs += llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False)
+    for out in outs:
+        counts[continuation_index(out.token_ids)] += 1
+    return counts, outs
+
+
 def _llm(dirs, **rule):
     target_dir, draft_dir = dirs
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2, "adaptive": False}
@@ -110,16 +123,9 @@ def test_concurrent_requests_under_dspark_match_exact_distribution(models):
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
     llm = LLM(str(target_dir), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=16,
               scheduler="dspark")
-    batch = 16
-    counts = torch.zeros(V**LENGTH)
-    drafted = verified_steps = 0
-    for first in range(0, N // 2, batch):
-        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
-                  for i in range(batch)]
-        for out in llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False):
-            counts[continuation_index(out.token_ids)] += 1
-            drafted += out.stats["num_draft_tokens"]
-            verified_steps += out.stats["steps"]
+    counts, outs = batched_counts(llm, N // 2)
+    drafted = sum(o.stats["num_draft_tokens"] for o in outs)
+    verified_steps = sum(o.stats["steps"] for o in outs)
     assert 0 < drafted < 2 * verified_steps, "the scheduler must verify drafts, and trim some, for this test to mean anything"
     pval = chi2_pvalue(counts, exact_distribution(hf))
     assert pval > 1e-3, f"batched speculative samples under dspark do not follow the target distribution (p = {pval:.2e})"

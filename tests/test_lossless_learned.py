@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_lossless_distribution import LENGTH, N, PROMPT, V, _tiny, continuation_index, exact_distribution
+from tests.test_lossless_distribution import N, _tiny, batched_counts, exact_distribution
 from tests.test_verify import chi2_pvalue
-from verispec import LLM, SamplingParams
+from verispec import LLM
 from verispec.models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -57,17 +57,10 @@ def test_learned_drafter_sampling_matches_exact_distribution(target, tmp_path, m
     spec = {"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 2, "adaptive": False}
     llm = LLM(str(d), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=16, scheduler="static",
               progress=False)
-    batch = 16
-    counts = torch.zeros(V**LENGTH)
-    drafted = accepted = 0
-    for first in range(0, N // 2, batch):
-        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
-                  for i in range(batch)]
-        for out in llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False):
-            counts[continuation_index(out.token_ids)] += 1
-            drafted += out.stats["num_draft_tokens"]
-            accepted += out.stats["num_accepted_tokens"]
-            assert not out.stats["lossy"]
+    counts, outs = batched_counts(llm, N // 2)
+    assert not any(o.stats["lossy"] for o in outs)
+    drafted = sum(o.stats["num_draft_tokens"] for o in outs)
+    accepted = sum(o.stats["num_accepted_tokens"] for o in outs)
     rate = accepted / drafted
     assert 0.1 < rate < 0.95, f"acceptance {rate:.2f}: the drafter must differ from the target and be accepted sometimes"
     pval = chi2_pvalue(counts, exact_distribution(hf))

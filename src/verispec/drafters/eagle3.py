@@ -28,15 +28,11 @@ from torch import nn
 
 from verispec.drafters.base import Draft
 from verispec.models.llama import LlamaModel
+from verispec.models.llama import _rms_norm as rms
 from verispec.models.rope import apply_rope
 from verispec.sampling import SamplingParams, target_probs
 
 ARCH = "LlamaForCausalLMEagle3"
-
-
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @dataclass(frozen=True)

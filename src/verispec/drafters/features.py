@@ -39,12 +39,16 @@ def select(hidden: Mapping[int, torch.Tensor], layers: Sequence[int], rows: slic
     return torch.cat(parts, dim=-1)
 
 
-def target_features(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> tuple[torch.Tensor, ForwardOutput]:
-    """A from-scratch target forward over `tokens` in a fresh cache: ([n, len(layers) d] features, the output with
-    last_hidden set). Used by the state oracle and the training-data capture."""
+def capture_forward(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> ForwardOutput:
+    """A from-scratch target forward over `tokens` in a fresh cache, capturing `layers` and the post-norm states."""
     n = len(tokens)
     cache = model.new_cache(n)
     s = cache.allocate()
-    out = model(torch.tensor(list(tokens), device=model.device), [Segment(s, 0, n)], cache,
-                logits_indices=[n - 1], capture_layers=tuple(layers), return_last_hidden=True)
+    return model(torch.tensor(list(tokens), device=model.device), [Segment(s, 0, n)], cache,
+                 logits_indices=[n - 1], capture_layers=tuple(layers), return_last_hidden=True)
+
+
+def target_features(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> tuple[torch.Tensor, ForwardOutput]:
+    """([n, len(layers) d] features from scratch, the forward output): the state oracle's reference."""
+    out = capture_forward(model, tokens, layers)
     return select(out.hidden, layers), out

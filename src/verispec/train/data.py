@@ -66,7 +66,7 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
                   max_tokens: int = 256, temperature: float = 0.7, shard_size: int = 32, seed: int = 0,
                   layers: list[int] | None = None, progress: bool = True) -> dict:
     """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run."""
-    from verispec.drafters.features import target_features
+    from verispec.drafters.features import capture_forward
     from verispec.sampling import SamplingParams
 
     model = llm.model
@@ -119,8 +119,7 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
         seqs = []
         for o in outs:
             ids = list(o.prompt_token_ids) + list(o.token_ids)
-            feats, fwd = target_features(model, ids, layers)
-            del feats
+            fwd = capture_forward(model, ids, layers)
             seqs.append((ids, len(o.prompt_token_ids), {k: fwd.hidden[k].float() for k in layers},
                          fwd.last_hidden.float()))  # type: ignore[union-attr]
             meta["tokens"] += len(ids)
