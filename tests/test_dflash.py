@@ -366,5 +366,6 @@ def test_engine_greedy_equals_hf_with_state_oracle(trained, tiny, tmp_path, meth
                         [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)
     for o, r in zip(outs, refs):
         assert o.token_ids == r
-    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0
+    if scheduler == "static":  # the dspark scheduler may switch drafting off from the profiled (load-dependent) costs
+        assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0
     assert llm.engine.kv_tokens() == 0

@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
     prompts = [{"id": f"p{i}", "ids": torch.randint(1, 60, (8,), generator=g).tolist()} for i in range(24)]
     generate_data(llm, str(root / "data"), prompts, sources=["test"], modes=("greedy", "sampled"), max_tokens=40,
                   shard_size=16, progress=False)
-    info = te.train(str(root / "data"), llm.model, str(root / "head"), draft_vocab=40, steps=3, max_updates=150,
+    info = te.train(str(root / "data"), llm.model, str(root / "head"), draft_vocab=40, steps=3, max_updates=300,
                     lr=3e-3, batch=2, progress=False)
     return {"root": root, "hf": hf, "llm": llm, "prompts": prompts, "info": info}
 
@@ -79,7 +79,8 @@ def test_greedy_output_equals_hf_with_state_oracle(setup, scheduler):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(setup["hf"], p, MAX_NEW)
         taus.append(o.stats["mean_acceptance_length"])
-    assert max(taus) > 1.2, "the trained head should get some drafts accepted (else multi-token commits go untested)"
+    if scheduler == "static":  # the dspark scheduler may switch drafting off from the profiled (load-dependent) costs
+        assert max(taus) > 1.2, "the trained head should get drafts accepted (else multi-token commits go untested)"
     assert llm.engine.kv_tokens() == 0
 
 
