@@ -95,7 +95,7 @@ class Eagle3Head(nn.Module):
         return self.cfg.feature_layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self._target[0].embed).to(self.fc.weight.dtype)
+        return F.embedding(ids, self._target[0].embed.detach()).to(self.fc.weight.dtype)  # frozen: no grad into the target
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._target[0]

@@ -17,6 +17,7 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,17 +88,37 @@ def ttt_logits(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: 
     return out
 
 
-def sequence_loss(head: Eagle3Head, seq: TrainSequence, out_w: torch.Tensor, steps: int, max_len: int
+TOPK = 32  # soft labels keep the target's 32 most likely tokens per position (>= 0.99 of the mass, typically)
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """The target's distribution at each position of one sequence, cut to its top TOPK tokens, computed once."""
+
+    ids: torch.Tensor  # [T, TOPK] target token ids, most likely first
+    probs: torch.Tensor  # [T, TOPK] their probabilities under the full-vocabulary softmax
+
+
+def soft_labels(seq: TrainSequence, out_w: torch.Tensor, max_len: int) -> SoftLabels:
+    with torch.no_grad():
+        p = torch.softmax(target_logits(seq.last_hidden[:max_len], out_w).float(), dim=-1)  # [T, V]
+        probs, ids = p.topk(TOPK, dim=-1)
+    return SoftLabels(ids, probs)
+
+
+def sequence_loss(head: Eagle3Head, seq: TrainSequence, lab: SoftLabels, steps: int, max_len: int
                   ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Weighted soft cross-entropy of one sequence; also (correct top-1, counted) per step for accuracy."""
+    """Weighted soft cross-entropy of one sequence; also (correct top-1, counted) per step for accuracy.
+    The target distribution is its top-TOPK mass restricted to the draft vocabulary (mass elsewhere is dropped)."""
     ids = seq.ids[:max_len]
     T = ids.shape[0]
     feats = seq.features(head.feature_layers)[:T]
     with torch.no_grad():
-        draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
-        p_full = torch.softmax(target_logits(seq.last_hidden[:T], out_w).float(), dim=-1)  # [T, V]
-        p_t = p_full[:, draft_ids]  # [T, Vd] (mass outside the draft vocabulary is dropped)
-        top_t = p_full.argmax(-1)  # [T] the target's greedy token
+        t2d_index = torch.cumsum(head.t2d.long(), 0) - 1  # [V] draft id of a target id (valid where t2d)
+        in_draft = head.t2d[lab.ids]  # [T, TOPK]
+        draft_of = torch.where(in_draft, t2d_index[lab.ids], 0)  # [T, TOPK]
+        weight = lab.probs * in_draft  # [T, TOPK]
+        top_t = lab.ids[:, 0]  # [T] the target's greedy token
     logits = ttt_logits(head, feats, ids, steps)
     n = T - 1
     j = torch.arange(n)
@@ -110,8 +131,8 @@ def sequence_loss(head: Eagle3Head, seq: TrainSequence, out_w: torch.Tensor, ste
             acc.append((0, 0))
             continue
         rv = r[valid]
-        logq = F.log_softmax(lg[valid], dim=-1)
-        total = total + DECAY**i * -(p_t[rv] * logq).sum(-1).mean()
+        logq = F.log_softmax(lg[valid], dim=-1)  # [nv, Vd]
+        total = total + DECAY**i * -(weight[rv] * logq.gather(1, draft_of[rv])).sum(-1).mean()
         with torch.no_grad():
             pred = head.to_target_ids(lg[valid].argmax(-1))
             acc.append((int((pred == top_t[rv]).sum()), int(valid.sum())))
@@ -127,12 +148,13 @@ def expected_tau(acc_per_step: list[float]) -> float:
     return tau
 
 
-def evaluate(head: Eagle3Head, seqs: list[TrainSequence], out_w: torch.Tensor, steps: int, max_len: int) -> dict:
+def evaluate(head: Eagle3Head, seqs: list[TrainSequence], labels: list[SoftLabels], steps: int, max_len: int
+             ) -> dict:
     head.eval()
     loss, right, count = 0.0, [0] * steps, [0] * steps
     with torch.no_grad():
-        for s in seqs:
-            l, acc = sequence_loss(head, s, out_w, steps, max_len)
+        for s, lab in zip(seqs, labels):
+            l, acc = sequence_loss(head, s, lab, steps, max_len)
             loss += float(l)
             for i, (a, c) in enumerate(acc):
                 right[i] += a
@@ -165,33 +187,48 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
     d2t, t2d = build_vocab(train_seqs, cfg.draft_vocab_size, cfg.vocab_size)
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)
-    head.train()
     out_w = target.output_weight().detach().float()
+    with torch.no_grad():  # start from the target's own output layer (its rows for the draft vocabulary)
+        head.lm_head.weight.copy_(out_w[head.to_target_ids(torch.arange(cfg.draft_vocab_size))])
+        head.norm.copy_(target.norm.detach().float())
+    head.train()
+    start = time.perf_counter()
+    labels = [soft_labels(q, out_w, max_len) for q in tqdm(held + train_seqs, desc="soft labels", unit="seq",
+                                                              disable=not progress)]  # once, inside the budget
+    held_labels, train_labels = labels[: len(held)], labels[len(held) :]
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     budget = max_minutes * 60
-    start = time.perf_counter()
     est_updates = max_updates or max(1, int(budget / 5))  # refined below from the measured update time
     log: list[dict] = []
     update = 0
     bar = tqdm(total=max_updates, desc="eagle3", unit="update", disable=not progress)
-    before = evaluate(head, held, out_w, steps, max_len)
+    before = evaluate(head, held, held_labels, steps, max_len)
+    curve = [{"update": 0, "s": round(time.perf_counter() - start, 1), **before}]
     t_train = time.perf_counter()
+    eval_s = 0.0  # time spent on held-out evaluation, kept out of the pace estimate
+    next_eval = 1
     while True:
         elapsed = time.perf_counter() - start
         if (max_updates is not None and update >= max_updates) or (max_updates is None and elapsed >= budget):
             break
         if max_updates is None and update in (5, 50):  # time-budgeted: set the schedule length from the pace
-            pace = (time.perf_counter() - t_train) / update  # seconds per update, evaluation excluded
+            pace = (time.perf_counter() - t_train - eval_s) / update  # seconds per update, evaluation excluded
             est_updates = max(update + 1, int((budget - (t_train - start)) / pace))
         frac = min(1.0, update / est_updates)
+        if frac >= next_eval / 8 and next_eval < 8:  # a held-out learning curve at eighths of the run
+            t0 = time.perf_counter()
+            curve.append({"update": update, "s": round(t0 - start, 1), **evaluate(head, held, held_labels, steps,
+                                                                                   max_len)})
+            eval_s += time.perf_counter() - t0
+            next_eval += 1
         for g in opt.param_groups:  # warm-up, then cosine down to 5% of lr
             g["lr"] = lr * min(1.0, (update + 1) / 20) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt.zero_grad()
         tot = 0.0
         for _ in range(batch):
-            s = train_seqs[rng.randrange(len(train_seqs))]
-            loss, _ = sequence_loss(head, s, out_w, steps, max_len)
+            k = rng.randrange(len(train_seqs))
+            loss, _ = sequence_loss(head, train_seqs[k], train_labels[k], steps, max_len)
             if not loss.requires_grad:  # no position to learn from (cannot happen after the filter above)
                 continue
             (loss / batch).backward()
@@ -204,12 +241,13 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
         bar.set_postfix(loss=f"{tot:.3f}")
     bar.close()
     wall = time.perf_counter() - start
-    after = evaluate(head, held, out_w, steps, max_len)
+    after = evaluate(head, held, held_labels, steps, max_len)
+    curve.append({"update": update, "s": round(wall, 1), **after})
     info = {"method": "eagle3", "data": str(data_dir), "data_meta": {k: meta.get(k) for k in ("model", "prompt_files",
             "num_sequences", "tokens")}, "updates": update, "sequences_per_update": batch,
             "train_sequences": len(train_seqs), "heldout_sequences": len(held), "wall_s": round(wall, 1),
             "threads": torch.get_num_threads(), "lr": lr, "ttt_steps": steps, "draft_vocab": cfg.draft_vocab_size,
-            "heldout_before": before, "heldout_after": after, "curve": log[:: max(1, len(log) // 200)]}
+            "heldout_before": before, "heldout_after": after, "heldout_curve": curve, "curve": log[:: max(1, len(log) // 200)]}
     head.save_pretrained(out_dir, {"target": meta.get("model")})
     (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
     return info
