@@ -256,16 +256,18 @@ def calibration_data(model: DFlashModel, batches: list[Batch]) -> tuple[torch.Te
 
 
 def calibrate(model: DFlashModel, batches: list[Batch]) -> dict:
-    """Fit T_1..T_{B-1} on `batches`, store them in the model's config; returns ECE per position before / after."""
+    """Fit T_1..T_{B-1} on half of the held-out anchors (even rows), store them in the model's config, and score
+    ECE per position before / after on the other half (odd rows), which the fit never saw."""
     logits, survival, valid = calibration_data(model, batches)
+    fit, score = slice(0, None, 2), slice(1, None, 2)
     ones = torch.ones(logits.shape[1])
-    before = per_position_ece(logits, survival, valid, ones)
-    temps = fit_position_temperatures(logits, survival, valid)
+    before = per_position_ece(logits[score], survival[score], valid[score], ones)
+    temps = fit_position_temperatures(logits[fit], survival[fit], valid[fit])
     model.with_temperatures(temps)
-    after = per_position_ece(logits, survival, valid, torch.tensor(temps))
+    after = per_position_ece(logits[score], survival[score], valid[score], torch.tensor(temps))
     return {"temperatures": temps, "ece_before": before, "ece_after": after,
             "mean_ece_before": sum(before) / len(before), "mean_ece_after": sum(after) / len(after),
-            "anchors": int(logits.shape[0])}
+            "anchors_fit": int(logits[fit].shape[0]), "anchors_scored": int(logits[score].shape[0])}
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------
