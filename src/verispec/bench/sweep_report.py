@@ -1,0 +1,160 @@
+"""The report of `verispec bench sweep`: its conditions, tables (throughput, latency percentiles, ratios against
+the baseline, per-position acceptance) and figures (throughput against latency, tau per level)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, Sequence
+
+from verispec.bench.report import Report, Table, median
+from verispec.bench.sweep import PCTS, Level, LevelResult, ratio_rows, summarize
+
+
+# ---- figures ------------------------------------------------------------------------------------------------
+def _median_rows(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["endpoint"], r["level"]), []).append(r)
+    for k, rs in groups.items():
+        out[k] = {key: median([r[key] for r in rs if isinstance(r[key], (int, float))])
+                  for key in ("out_tok_per_s", "tpot_p50_ms", "e2e_p50_s", "tau")}
+    return out
+
+
+def figures(rows: Sequence[dict[str, Any]], levels: Sequence[Level], endpoints: Sequence[str]) -> dict[str, Any]:
+    from matplotlib.figure import Figure
+
+    med = _median_rows(rows)
+    figs: dict[str, Any] = {}
+    fig = Figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, 2)
+    for ax, xkey, xlabel in ((axes[0], "tpot_p50_ms", "P50 TPOT (ms)"), (axes[1], "e2e_p50_s", "P50 E2E (s)")):
+        for ep in endpoints:
+            for mode, marker in (("concurrency", "o-"), ("rate", "s--")):
+                names = [lv.name for lv in levels if lv.mode == mode and (ep, lv.name) in med]
+                pts = [(med[(ep, n)][xkey], med[(ep, n)]["out_tok_per_s"], n) for n in names]
+                pts = [p for p in pts if not (math.isnan(p[0]) or math.isnan(p[1]))]
+                if not pts:
+                    continue
+                label = f"{ep} ({'closed loop' if mode == 'concurrency' else 'Poisson'})"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, label=label)
+                for x, y, name in pts:
+                    ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("aggregate output tok/s")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    fig.suptitle("Throughput against latency, one line per endpoint")
+    figs["throughput_latency"] = fig
+
+    fig = Figure(figsize=(8, 3.8))
+    ax = fig.subplots()
+    names = [lv.name for lv in levels]
+    width = 0.8 / max(1, len(endpoints))
+    for j, ep in enumerate(endpoints):
+        taus = [med.get((ep, n), {}).get("tau", float("nan")) for n in names]
+        xs = [i + (j - (len(endpoints) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, [0 if math.isnan(t) else t for t in taus], width, label=ep)
+        for x, t in zip(xs, taus):
+            ax.annotate("n/a" if math.isnan(t) else f"{t:.2f}", (x, 0 if math.isnan(t) else t), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("tau = 1 + accepted / drafts")
+    ax.set_title("Mean acceptance length per level (server /metrics deltas)")
+    ax.legend(fontsize=8)
+    figs["tau"] = fig
+    return figs
+
+
+
+def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, clients: Sequence[Any],
+                 results: dict[str, list[LevelResult]], pool: Sequence[Any]) -> Report:
+    slo = (args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    rows = [summarize(res, slo) for rs in results.values() for res in rs]
+    closed = [lv for lv in levels if lv.mode == "concurrency"]
+    rates = [lv for lv in levels if lv.mode == "rate"]
+    conc = []
+    if closed:
+        conc.append("closed loop at concurrency " + ", ".join(str(int(lv.value)) for lv in closed)
+                    + " (C clients; each sends its next request when its previous one ends)")
+    if rates:
+        conc.append("open loop, Poisson arrivals at " + ", ".join(f"{lv.value:g}" for lv in rates)
+                    + f" req/s (seed {args.seed} + level index; requests are sent on time whatever is in flight)")
+    bounds = (f"every level at most {', '.join(sorted({str(lv.requests) for lv in levels}))} requests and "
+              f"{args.max_seconds_per_level:g} s of sending, then {args.grace_seconds:g} s of grace; requests "
+              "cancelled then count as errors of class 'timeout'")
+    metric = ("aggregate output tok/s = output tokens of completed requests / level wall time (first send to last "
+              "end); request/s = completed requests / wall time; goodput = completed requests within every SLO "
+              "given / wall time; P50/P95/P99 of TTFT (first output chunk - send), TPOT ((E2E - TTFT) / (N_out - 1), "
+              "N_out > 1), per-token ITL (inter-chunk gap / tokens in the chunk, one value per token), raw "
+              "inter-chunk gap, E2E (last output chunk - send) and time to response headers, over completed "
+              "requests, measured by this client; tau = 1 + accepted / drafts and acceptance rate = accepted / "
+              "drafted from the server's /metrics before and after the level")
+    if len(clients) > 1:
+        baseline = (f"{clients[1].label} = {clients[1].base} (model {clients[1].model!r}), meant to be the same "
+                    f"target with speculation off; same prompts, same run, levels interleaved (A B, then B A); "
+                    "ratios at every level")
+    else:
+        baseline = ("none: one endpoint only, no speculation-off comparison; identity is against this endpoint's "
+                    f"own {ref.name} output")
+    slo_txt = ", ".join(f"{k} <= {v:g} s" for k, v in zip(("TTFT", "TPOT", "E2E"), slo) if v is not None)
+    notes = [
+        "Endpoints: " + "; ".join(f"{c.label} = {c.base} (model {c.model!r}, {args.api} API, token counts from "
+                                  f"{c.caps.token_source}{': ' + c.caps.note if c.caps.note else ''})"
+                                  for c in clients),
+        f"Prompts: {len(pool)} from {args.workloads or 'every shipped workload'}, mixed round-robin; request i of "
+        f"every level sends prompt i mod {len(pool)}; max_tokens {args.max_tokens or 'per prompt'}; temperature "
+        f"{args.temperature:g}{'; ignore_eos' if args.ignore_eos else ''}.",
+        "Goodput SLOs: " + (slo_txt if slo_txt else "none given, so goodput = request/s") + ".",
+        f"Identity: share of completed requests whose output equals the same prompt's output at {ref.name} "
+        "(repeat 1) of the same endpoint; compared as token ids where the server returns them, else as text "
+        "(first divergence then in characters). At temperature > 0 it measures nothing.",
+        "Token counts: 'token_ids' = ids returned per chunk (exact); 'continuous_usage' = per-chunk usage (exact); "
+        "'usage_total' = exact total from the usage chunk, split evenly over chunks for ITL; 'chunks' = one token "
+        "per chunk (an undercount where chunks carry several tokens). Never re-tokenised.",
+        "Per-position acceptance = accepted at position i / drafts (vLLM's convention). SGLang exports gauges "
+        "(sglang:spec_accept_length / sglang:spec_accept_rate), not counters: its tau is the value at the level's "
+        "end, not a delta.",
+        "Time to response headers is the closest a client gets to queueing time; servers that send headers before "
+        "scheduling (verispec, vLLM) make it an upper bound on admission, not the wait for a batch slot.",
+    ]
+    lat_keys = [k for k in rows[0] if any(k.endswith(f"_p{q}_{u}") for q in PCTS for u in ("ms", "s"))] if rows else []
+    tables = [Table("Throughput, errors, speculation and identity per endpoint and level",
+                    [{k: v for k, v in r.items() if k not in lat_keys} for r in rows],
+                    "req_per_s, out_tok_per_s and goodput over the level's wall time; tau, acceptance_rate, drafts, "
+                    "draft_tokens and accepted are /metrics deltas over the level."),
+              Table("Latency percentiles per endpoint and level",
+                    [{"endpoint": r["endpoint"], "level": r["level"], "repeat": r["repeat"],
+                      **{k: r[k] for k in lat_keys}} for r in rows],
+                    "Over completed requests (per-token ITL and raw gaps: over every gap of them); ms unless the "
+                    "column says s.")]
+    if len(clients) > 1:
+        spec_rows = [r for r in rows if r["endpoint"] == clients[0].label]
+        base_rows = [r for r in rows if r["endpoint"] == clients[1].label]
+        tables.append(Table(f"{clients[0].label} against {clients[1].label}, per level",
+                            ratio_rows(spec_rows, base_rows),
+                            "ratio_* = method / baseline (throughput), speedup_* = baseline / method (latency): "
+                            "> 1 means speculation helps. Median over repeats, min..max when more than one."))
+    pos_rows = []
+    width = max((len(res.spec.get("per_pos_accepted") or []) for rs in results.values() for res in rs), default=0)
+    for rs in results.values():
+        for res in rs:
+            acc, cnt = res.spec.get("per_pos_acceptance") or [], res.spec.get("per_pos_accepted") or []
+            if acc:
+                pos_rows.append({"endpoint": res.endpoint, "level": res.level.name, "repeat": res.repeat + 1,
+                                 "drafts": res.spec["drafts"],
+                                 **{f"pos{i}": acc[i] if i < len(acc) else 0.0 for i in range(width)},
+                                 **{f"accepted_pos{i}": cnt[i] if i < len(cnt) else 0.0 for i in range(width)}})
+    if pos_rows:
+        tables.append(Table("Per-position acceptance", pos_rows,
+                            "pos<i> = draft tokens accepted at position i / drafts; accepted_pos<i> = the count "
+                            "(/metrics deltas over the level)."))
+    records = [r.as_dict() for rs in results.values() for res in rs for r in res.records]
+    cond = {"concurrency": "; ".join(conc) + f". {bounds[0].upper() + bounds[1:]}.", "metric": metric,
+            "baseline": baseline}
+    title = "Serving sweep: " + " vs ".join(c.label for c in clients)
+    return Report(title, cond, tables, records, figures(rows, levels, [c.label for c in clients]), notes)
