@@ -260,18 +260,26 @@ class Eagle3Drafter:
         n = len(tokens)
         if self.n_feat != n or ref.shape[0] != n:
             raise AssertionError(f"EAGLE-3 holds features for {self.n_feat} positions, the request commits {n}")
-        atol = 1e-4 if self.feats.dtype == torch.float32 else 1e-1
+        # relative as well as absolute: the fused features reach thousands (the target's massive activations), where
+        # fp32 rounding alone differs by 1e-4 between a batched verify forward and the from-scratch one
+        atol, rtol = (1e-4, 1e-5) if self.feats.dtype == torch.float32 else (1e-1, 2e-2)
+
+        def differs(live: torch.Tensor, want: torch.Tensor) -> torch.Tensor:  # [n, ...] -> row indices
+            return ((live - want).abs() > atol + rtol * want.abs()).flatten(1).any(-1).nonzero()
+
         fused = self.head.fc(ref.to(self.feats.dtype))
-        bad = ((fused - self.feats).abs().amax(-1) > atol).nonzero()
+        bad = differs(self.feats, fused)
         if bad.numel():
-            raise AssertionError(f"EAGLE-3 feature of position {int(bad[0, 0])} differs from the target's")
+            p = int(bad[0, 0])
+            raise AssertionError(f"EAGLE-3 feature of position {p} differs from the target's (max abs diff "
+                                 f"{float((fused[p] - self.feats[p]).abs().max()):.3g})")
         if self.n_kv:
             m = self.n_kv
             pos = torch.arange(m, device=fused.device)
             _, k, v = self.head.qkv(self.head.embed(torch.tensor(list(tokens[1 : m + 1]), device=fused.device)),
                                     fused[:m], pos)
             for name, live, want in (("K", self.k[:m], k), ("V", self.v[:m], v)):
-                bad = ((live - want).abs().amax(dim=(1, 2)) > atol).nonzero()
+                bad = differs(live, want)
                 if bad.numel():
                     raise AssertionError(f"EAGLE-3 {name} of position {int(bad[0, 0])} of {m} differs from a "
                                          "recomputation from the committed tokens")
