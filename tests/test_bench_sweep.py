@@ -20,8 +20,8 @@ import pytest
 from tests.test_server import live, make_app, tiny_dir  # noqa: F401 - tiny_dir is a fixture
 from verispec.bench.client import RequestRecord, finalize
 from verispec.bench.promscrape import parse_spec_metrics, spec_delta
-from verispec.bench.sweep import (Level, LevelResult, add_sweep_args, first_divergence, poisson_arrivals,
-                                  ratio_rows, run_sweep, summarize)
+from verispec.bench.sweep import Level, LevelResult, add_sweep_args, poisson_arrivals, run_sweep
+from verispec.bench.sweep_report import first_divergence, ratio_rows, summarize
 
 MAX_TOKENS = 10
 

@@ -1,14 +1,158 @@
-"""The report of `verispec bench sweep`: its conditions, tables (throughput, latency percentiles, ratios against
-the baseline, per-position acceptance) and figures (throughput against latency, tau per level)."""
+"""What `verispec bench sweep` reports: per-level summary rows (throughput, latency percentiles, goodput, errors,
+tau), identity against the reference level and the baseline, ratios against the baseline, and the report itself
+(conditions, tables, figures)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Sequence
+import statistics
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Sequence
 
-from verispec.bench.report import Report, Table, median
-from verispec.bench.sweep import PCTS, Level, LevelResult, ratio_rows, summarize
+from verispec.bench.report import Report, Table, median, percentile
+
+if TYPE_CHECKING:
+    from verispec.bench.sweep import Level, LevelResult
+
+PCTS = (50, 95, 99)
+
+
+# ---- summaries ---------------------------------------------------------------------------------------------
+def meets_slo(rec: Any, slo_ttft: float | None, slo_tpot: float | None, slo_e2e: float | None) -> bool:
+    """A completed request within every SLO given (TPOT is not defined for one output token: no constraint)."""
+    if not rec.ok:
+        return False
+    if slo_ttft is not None and not rec.ttft_s <= slo_ttft:
+        return False
+    if slo_tpot is not None and not math.isnan(rec.tpot_s) and not rec.tpot_s <= slo_tpot:
+        return False
+    if slo_e2e is not None and not rec.e2e_s <= slo_e2e:
+        return False
+    return True
+
+
+def summarize(res: LevelResult, slo: tuple[float | None, float | None, float | None] = (None, None, None)
+              ) -> dict[str, Any]:
+    """One summary row: throughput over the level's wall time, latency percentiles over completed requests
+    (per-token ITL and raw gaps pooled over every gap of every completed request), errors by class, spec and
+    identity."""
+    recs = res.records
+    ok = [r for r in recs if r.ok]
+    dur = res.duration_s
+    row: dict[str, Any] = {
+        "endpoint": res.endpoint, "level": res.level.name, "repeat": res.repeat + 1,
+        "sent": len(recs), "completed": len(ok), "errors": len(recs) - len(ok),
+        "errors_by_class": " ".join(f"{k}={v}" for k, v in sorted(Counter(r.error_class for r in recs
+                                                                            if not r.ok).items())) or "-",
+        "max_in_flight": res.max_in_flight, "duration_s": dur,
+        "req_per_s": len(ok) / dur if dur > 0 else float("nan"),
+        "out_tok_per_s": sum(r.n_out for r in ok) / dur if dur > 0 else float("nan"),
+        "goodput_req_per_s": sum(meets_slo(r, *slo) for r in recs) / dur if dur > 0 else float("nan"),
+    }
+    series = {
+        "ttft_ms": [r.ttft_s * 1e3 for r in ok],
+        "tpot_ms": [r.tpot_s * 1e3 for r in ok],
+        "itl_ms": [x * 1e3 for r in ok for x in r.itl_s],
+        "gap_ms": [x * 1e3 for r in ok for x in r.chunk_gaps_s],
+        "e2e_s": [r.e2e_s for r in ok],
+        "headers_ms": [r.headers_s * 1e3 for r in ok],
+    }
+    for name, xs in series.items():
+        base, unit = name.rsplit("_", 1)
+        for q in PCTS:
+            row[f"{base}_p{q}_{unit}"] = percentile(xs, q)
+    s = res.spec
+    row.update({"tau": s.get("tau", float("nan")), "acceptance_rate": s.get("acceptance_rate", float("nan")),
+                "drafts": s.get("drafts", float("nan")), "draft_tokens": s.get("draft_tokens", float("nan")),
+                "accepted": s.get("accepted", float("nan"))})
+    compared = [r for r in ok if r.identical is not None]
+    row["identity"] = sum(r.identical for r in compared) / len(compared) if compared else float("nan")
+    row["identity_n"] = len(compared)
+    divs = [r.first_divergence for r in compared if not r.identical and r.first_divergence is not None]
+    row["first_divergence_min"] = min(divs) if divs else "-"
+    base_cmp = [r for r in ok if r.identical_to_baseline is not None]
+    if base_cmp:
+        row["identity_vs_baseline"] = sum(r.identical_to_baseline for r in base_cmp) / len(base_cmp)
+    return row
+
+
+def first_divergence(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """Index of the first element where a and b differ (the shorter length if one is a prefix); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _output(rec: Any) -> tuple[str, Sequence[Any]]:
+    return ("tokens", rec.token_ids) if rec.token_ids is not None else ("chars", rec.text)
+
+
+def mark_identity(results: Sequence[LevelResult], ref: Level, baseline: Sequence[LevelResult] = ()) -> None:
+    """Compare every completed request with the same prompt's first completed output at the reference level of
+    the same endpoint (repeat 1), and, with a baseline, with the baseline's reference output. Token ids where
+    both sides have them, else text (first divergence then counts characters)."""
+
+    def refs(rs: Sequence[LevelResult]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for res in rs:
+            if res.level == ref and res.repeat == 0:
+                for r in res.records:
+                    if r.ok:
+                        out.setdefault(r.prompt_id, r)
+        return out
+
+    own, base = refs(results), refs(baseline)
+    for res in results:
+        for r in res.records:
+            if not r.ok:
+                continue
+            for table, attr in ((own, "identical"), (base, "identical_to_baseline")):
+                other = table.get(r.prompt_id)
+                if other is None:
+                    continue
+                (ua, a), (ub, b) = _output(r), _output(other)
+                if ua != ub:
+                    a, b = r.text, other.text
+                div = first_divergence(a, b)
+                setattr(r, attr, div is None)
+                if attr == "identical":
+                    r.first_divergence = div
+
+
+def ratio_rows(spec: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level: spec / baseline for throughputs, baseline / spec for latencies (so > 1 means speculation
+    helps), as the median and min..max over repeats of per-repeat ratios."""
+    keys = [("out_tok_per_s", False), ("req_per_s", False), ("goodput_req_per_s", False),
+            ("tpot_p50_ms", True), ("ttft_p50_ms", True), ("e2e_p50_s", True), ("itl_p50_ms", True)]
+    by_level: dict[str, dict[int, tuple[dict, dict]]] = {}
+    for s in spec:
+        by_level.setdefault(s["level"], {})[s["repeat"]] = (s, {})
+    for b in base:
+        if b["repeat"] in by_level.get(b["level"], {}):
+            by_level[b["level"]][b["repeat"]] = (by_level[b["level"]][b["repeat"]][0], b)
+    rows = []
+    for level, reps in by_level.items():
+        row: dict[str, Any] = {"level": level, "repeats": len(reps)}
+        for key, inverse in keys:
+            rs = []
+            for s, b in reps.values():
+                if not b:
+                    continue
+                num, den = (b.get(key), s.get(key)) if inverse else (s.get(key), b.get(key))
+                if num is not None and den and not math.isnan(num) and not math.isnan(den):
+                    rs.append(num / den)
+            name = key.replace("_per_s", "")
+            name = ("speedup_" + name) if inverse else ("ratio_" + name)
+            row[name] = statistics.median(rs) if rs else float("nan")
+            if len(reps) > 1:
+                row[name + "_range"] = f"{min(rs):.3g}..{max(rs):.3g}" if len(rs) > 1 else "-"
+        s0, _ = next(iter(reps.values()))
+        row["tau"] = s0.get("tau", float("nan"))
+        row["identity_vs_baseline"] = s0.get("identity_vs_baseline", float("nan"))
+        rows.append(row)
+    return rows
 
 
 # ---- figures ------------------------------------------------------------------------------------------------
@@ -68,7 +212,6 @@ def figures(rows: Sequence[dict[str, Any]], levels: Sequence[Level], endpoints: 
     ax.legend(fontsize=8)
     figs["tau"] = fig
     return figs
-
 
 
 def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, clients: Sequence[Any],

@@ -95,7 +95,8 @@ class Eagle3Head(nn.Module):
         return self.cfg.feature_layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self._target[0].embed.detach()).to(self.fc.weight.dtype)  # frozen: no grad into the target
+        # the target's table is frozen: detached, so training the head sends no gradient into it
+        return F.embedding(ids, self._target[0].embed.detach()).to(self.fc.weight.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._target[0]

@@ -247,7 +247,8 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
             "num_sequences", "tokens")}, "updates": update, "sequences_per_update": batch,
             "train_sequences": len(train_seqs), "heldout_sequences": len(held), "wall_s": round(wall, 1),
             "threads": torch.get_num_threads(), "lr": lr, "ttt_steps": steps, "draft_vocab": cfg.draft_vocab_size,
-            "heldout_before": before, "heldout_after": after, "heldout_curve": curve, "curve": log[:: max(1, len(log) // 200)]}
+            "heldout_before": before, "heldout_after": after, "heldout_curve": curve,
+            "curve": log[:: max(1, len(log) // 200)]}
     head.save_pretrained(out_dir, {"target": meta.get("model")})
     (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
     return info
