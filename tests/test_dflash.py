@@ -14,7 +14,7 @@ from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, T
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment
 from verispec.models.loader import load_model
-from verispec.sampling import SamplingParams
+from verispec.execution.sampling import SamplingParams
 from verispec.train import dflash as tr
 from verispec.train.calibrate import ece, fit_position_temperatures, per_position_ece
 from verispec.train.shards import load_all, shard_name, write_meta, write_shard

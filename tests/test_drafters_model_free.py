@@ -232,7 +232,7 @@ def test_suffix_tries_count_every_substring():
 def test_factory_builds_model_free_drafters():
     from verispec.config import SpeculativeConfig
     from verispec.drafters import DrafterFactory
-    from verispec.sampling import SamplingParams
+    from verispec.execution.sampling import SamplingParams
 
     ng = DrafterFactory(SpeculativeConfig(method="ngram", prompt_lookup_max=3, prompt_lookup_min=2))
     d = ng.new(SamplingParams(), prompt_len=4)

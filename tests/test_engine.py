@@ -8,7 +8,7 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.engine.core import RequestTooLong
-from verispec.request import Request
+from verispec.state.request import Request
 
 PROMPTS = [
     [1, 2, 3, 4, 5, 1, 2, 3],

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verispec.kv_cache import CacheFullError, KVCache
+from verispec.state.kv_cache import CacheFullError, KVCache
 from verispec.models.llama import Segment
 from verispec.models.loader import load_model
 

@@ -9,7 +9,7 @@ import pytest
 
 from verispec.drafters.base import Draft
 from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy, admit_prefixes, make_policy
-from verispec.spec_length import AcceptanceEstimator, CostTable, StepCosts
+from verispec.engine.costs import AcceptanceEstimator, CostTable, StepCosts
 
 
 def theta(lengths, survivals, costs, base):

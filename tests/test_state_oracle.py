@@ -7,7 +7,7 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.check.state import StateMismatch
-from verispec.kv_cache import KVCache
+from verispec.state.kv_cache import KVCache
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from verispec.sampling import SamplingParams, target_probs
-from verispec.verify import AcceptanceConfig, residual, verify_greedy, verify_sampled
+from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.execution.verify import AcceptanceConfig, residual, verify_greedy, verify_sampled
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -17,10 +17,11 @@ from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.scheduler import make_policy
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import load_model, load_tokenizer
-from verispec.request import Request
-from verispec.sampling import SamplingParams
-from verispec.spec_length import CostTable, StepCosts, profile_costs, profile_step_costs
-from verispec.verify import AcceptanceConfig
+from verispec.state.request import Request
+from verispec.execution.sampling import SamplingParams
+from verispec.engine.costs import CostTable, StepCosts
+from verispec.execution.profile import profile_costs, profile_step_costs
+from verispec.execution.verify import AcceptanceConfig
 
 Prompt = Union[str, dict[str, Any], Sequence[int]]
 Message = dict[str, str]

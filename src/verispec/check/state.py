@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.kv_cache import KVCache
+from verispec.state.kv_cache import KVCache
 from verispec.models.llama import LlamaModel, Segment
 
 

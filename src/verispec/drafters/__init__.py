@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from verispec.config import LEARNED_METHODS, SpeculativeConfig
 from verispec.drafters.base import Drafter
-from verispec.sampling import SamplingParams
+from verispec.execution.sampling import SamplingParams
 
 
 class DrafterFactory:

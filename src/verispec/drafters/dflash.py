@@ -25,7 +25,7 @@ import torch
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
 from verispec.drafters.dspark_head import calibrated_confidence
-from verispec.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, target_probs
 
 
 def load(path: str | Path, target) -> DFlashModel:

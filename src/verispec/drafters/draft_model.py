@@ -7,9 +7,9 @@ from typing import Sequence
 import torch
 
 from verispec.drafters.base import Draft
-from verispec.kv_cache import KVCache
+from verispec.state.kv_cache import KVCache
 from verispec.models.llama import LlamaModel, Segment
-from verispec.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, target_probs
 
 
 class IncompatibleDraftModel(ValueError):

@@ -30,7 +30,7 @@ from verispec.drafters.base import Draft
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import _rms_norm as rms
 from verispec.models.rope import apply_rope
-from verispec.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, target_probs
 
 ARCH = "LlamaForCausalLMEagle3"
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator
 
 from verispec.engine.core import RequestTooLong
-from verispec.request import Request
-from verispec.sampling import SamplingParams
+from verispec.state.request import Request
+from verispec.execution.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from verispec.drafters import DrafterFactory
 from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
 from verispec.drafters.features import select
 from verispec.engine.scheduler import Candidate, StaticPolicy
-from verispec.kv_cache import KVCache
+from verispec.state.kv_cache import KVCache
 from verispec.models.llama import LlamaModel, Segment
-from verispec.request import Request
-from verispec.sampling import target_probs
-from verispec.spec_length import AcceptanceEstimator
-from verispec.verify import EXACT, AcceptanceConfig, verify_greedy, verify_sampled
+from verispec.state.request import Request
+from verispec.execution.sampling import target_probs
+from verispec.engine.costs import AcceptanceEstimator
+from verispec.execution.verify import EXACT, AcceptanceConfig, verify_greedy, verify_sampled
 
 TokenCallback = Callable[[Request, list[int]], None]
 StateCheck = Callable[[Request, "Drafter | None"], None]

@@ -18,12 +18,9 @@ A policy decides and never touches tensors. Each step, in two calls:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
-from verispec.drafters.base import Draft
-from verispec.spec_length import AcceptanceEstimator, StepCosts
-
-POLICIES = ("static", "goodput", "dspark")
+from verispec.engine.costs import AcceptanceEstimator, StepCosts
 
 
 @dataclass(frozen=True)
@@ -33,6 +30,27 @@ class Candidate:
     limit: int  # most draft tokens it may take (max K, tokens left - 1, cache room)
     estimator: AcceptanceEstimator
     probe: bool = False  # the estimator asks for a short probe this step
+
+
+class Proposal(Protocol):
+    """What a policy reads of a draft (drafters' `Draft` has it): its tokens and optional confidences."""
+
+    tokens: list[int]  # [g]
+    confidence: list[float] | None  # [g] P(position i survives), or None
+
+
+class Policy(Protocol):
+    """A speculation policy: two decisions per step, from numbers only."""
+
+    name: str
+
+    def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
+        """Tokens to ask each candidate's drafter for, before drafting."""
+        ...
+
+    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
+        """How many of each draft go into the target forward, after drafting and before verification."""
+        ...
 
 
 def admit_prefixes(
@@ -75,17 +93,19 @@ def admit_prefixes(
     return lengths if stop_at_first_drop else best_lengths
 
 
-class StaticPolicy:
-    name = "static"
-
+class _CostAware:
     def __init__(self, costs: StepCosts) -> None:
         self.costs = costs
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
-        return [c.limit for c in cands]
+        return [c.limit for c in cands]  # every candidate drafts its limit
 
-    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Draft], base_tokens: int) -> list[int]:
-        return [len(d.tokens) for d in drafts]
+    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
+        return [len(d.tokens) for d in drafts]  # everything drafted is verified
+
+
+class StaticPolicy(_CostAware):
+    name = "static"
 
 
 PROBE_SURVIVAL = 0.9  # what a due probe is assumed to achieve per position when its cost is weighed
@@ -104,7 +124,7 @@ def _with_probes(cands: Sequence[Candidate], survivals: list[list[float]]) -> li
     return out
 
 
-class GoodputPolicy(StaticPolicy):
+class GoodputPolicy(_CostAware):
     name = "goodput"
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
@@ -113,10 +133,10 @@ class GoodputPolicy(StaticPolicy):
         return admit_prefixes(survivals, self.costs, base_tokens, extra)
 
 
-class DSparkPolicy(StaticPolicy):
+class DSparkPolicy(_CostAware):
     name = "dspark"
 
-    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Draft], base_tokens: int) -> list[int]:
+    def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         survivals = []
         for c, d in zip(cands, drafts):
             g = len(d.tokens)
@@ -132,11 +152,15 @@ class DSparkPolicy(StaticPolicy):
         return [min(n, len(d.tokens)) for n, d in zip(lengths, drafts)]
 
 
-def make_policy(name: str, costs: StepCosts) -> StaticPolicy:
-    if name == "static":
-        return StaticPolicy(costs)
-    if name == "goodput":
-        return GoodputPolicy(costs)
-    if name == "dspark":
-        return DSparkPolicy(costs)
-    raise ValueError(f"scheduler {name!r} is not one of {POLICIES}")
+POLICIES: dict[str, Callable[[StepCosts], Policy]] = {
+    "static": StaticPolicy,
+    "goodput": GoodputPolicy,
+    "dspark": DSparkPolicy,
+}
+
+
+def make_policy(name: str, costs: StepCosts) -> Policy:
+    try:
+        return POLICIES[name](costs)
+    except KeyError:
+        raise ValueError(f"scheduler {name!r} is not one of {sorted(POLICIES)}") from None

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ModelConfig
-from verispec.kv_cache import KVCache
+from verispec.state.kv_cache import KVCache
 from verispec.models.rope import apply_rope, rope_tables
 
 

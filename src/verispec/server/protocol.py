@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from verispec.sampling import SamplingParams
+from verispec.execution.sampling import SamplingParams
 
 # Below this temperature sampling is numerically the argmax anyway (and logits / T would overflow): treat as greedy.
 GREEDY_TEMPERATURE = 1e-5

@@ -67,7 +67,7 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
                   layers: list[int] | None = None, progress: bool = True) -> dict:
     """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run."""
     from verispec.drafters.features import capture_forward
-    from verispec.sampling import SamplingParams
+    from verispec.execution.sampling import SamplingParams
 
     model = llm.model
     layers = sorted(layers or default_layers(model.cfg.num_layers))

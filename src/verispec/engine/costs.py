@@ -1,4 +1,6 @@
-"""What speculation costs and how well it does: a measured step-cost table and per-request acceptance estimates.
+"""What speculation costs and how well it does: step-cost tables and per-request acceptance estimates.
+
+Pure arithmetic over numbers: no torch, no model. The tables are measured by execution/profile.py.
 
 The scheduling policies (engine/scheduler.py) turn these into a number of draft tokens per request and step:
 E[tokens committed | k] = (1 - a^(k+1)) / (1 - a) for an acceptance estimate a (METHODS.md sections 1 and 8).
@@ -8,14 +10,8 @@ gets speculation back.
 
 from __future__ import annotations
 
-import statistics
-import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
-
-import torch
-
-from verispec.models.llama import LlamaModel, Segment
 
 
 @dataclass(frozen=True)
@@ -42,28 +38,6 @@ class CostTable:
         return cls((1, 2), (1.0, 1.0))
 
 
-def profile_costs(model: LlamaModel, sizes=(1, 2, 3, 4, 6, 8, 12, 16), context: int = 128, repeats: int = 3) -> CostTable:
-    """Time one forward of each block size after `context` committed tokens (median of repeats)."""
-    room = model.rope_cos.shape[0]
-    sizes = tuple(n for n in sizes if n < room) or (1,)
-    context = max(1, min(context, room - max(sizes)))
-    cache = model.new_cache(context + max(sizes))
-    slot = cache.allocate()
-    ids = torch.arange(context + max(sizes), device=model.device) % model.cfg.vocab_size
-    model(ids[:context], [Segment(slot, 0, context)], cache)
-    cache.commit(slot, context)
-    out = []
-    for n in sizes:
-        times = []
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            model(ids[context : context + n], [Segment(slot, context, n)], cache, logits_indices=range(n))
-            times.append(time.perf_counter() - t)
-            cache.rollback(slot, context)
-        out.append(statistics.median(times[1:]))
-    return CostTable(tuple(sizes), tuple(out))
-
-
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds per batched target forward: a table over batched tokens plus a cost per extra sequence in it."""
@@ -85,28 +59,6 @@ def step_sizes(max_tokens: int, cap: int = 128) -> tuple[int, ...]:
     grid = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
     top = min(max_tokens, cap)
     return tuple(sorted({s for s in grid if s < top} | {top}))
-
-
-def profile_step_costs(model: LlamaModel, max_tokens: int, segments: int = 8, repeats: int = 2) -> StepCosts:
-    """Profile one sequence's block sizes 1..max_tokens, and the extra cost of splitting a block over sequences."""
-    table = profile_costs(model, step_sizes(max_tokens), repeats=repeats)
-    n = segments
-    ctx = max(1, min(64, model.rope_cos.shape[0] - 1))
-    cache = model.new_cache(ctx + 1, num_slots=n)
-    slots = [cache.allocate() for _ in range(n)]
-    ids = torch.arange(ctx + 1, device=model.device) % model.cfg.vocab_size
-    for s in slots:
-        model(ids[:ctx], [Segment(s, 0, ctx)], cache)
-        cache.commit(s, ctx)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        model(ids[ctx:].repeat(n), [Segment(s, ctx, 1) for s in slots], cache, logits_indices=range(n))
-        times.append(time.perf_counter() - t)
-        for s in slots:
-            cache.rollback(s, ctx)
-    per_segment = max(0.0, (statistics.median(times[1:]) - table(n)) / (n - 1))
-    return StepCosts(table, per_segment)
 
 
 def expected_tokens(a: float, k: int) -> float:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from verispec.engine.scheduler import Candidate, GoodputPolicy, StaticPolicy
-from verispec.spec_length import AcceptanceEstimator, CostTable, StepCosts, expected_tokens
+from verispec.engine.costs import AcceptanceEstimator, CostTable, StepCosts, expected_tokens
 
 
 def test_expected_tokens_closed_form():

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from verispec.sampling import SamplingParams
+from verispec.execution.sampling import SamplingParams
 
 _ids = itertools.count()
 

@@ -1,0 +1,1 @@
+"""The execution layer: sampling and verification arithmetic, and profiling what a target forward costs."""

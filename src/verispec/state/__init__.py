@@ -1,0 +1,1 @@
+"""The state layer: the KV cache and per-request state, each with asserted invariants (no model code)."""
