@@ -17,7 +17,7 @@ import sys
 from collections import defaultdict
 
 from verispec import LLM, SamplingParams
-from verispec.bench.single import method_spec
+from verispec.bench.single import SPLIT, method_spec
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import compare_greedy
 
@@ -70,7 +70,7 @@ def run(args) -> dict:
                             "tau": out.stats["mean_acceptance_length"],
                             "identical": div is None,
                             "divergence": None if div is None else str(div),
-                            "split": {k: out.stats[k] for k in ("draft_s", "verify_s", "sched_s", "state_s")},
+                            "split": {k: out.stats[k] for k in SPLIT},
                         })
                     print(".", end="", flush=True, file=sys.stderr)
             results[(dtype, wl)] = rows
@@ -82,7 +82,7 @@ def run(args) -> dict:
 def report_block(dtype: str, wl: str, rows: dict) -> None:
     for name, rs in rows.items():
         ratios = [x["ratio"] for x in rs]
-        split = {k: sum(x["split"][k] for x in rs) for k in ("draft_s", "verify_s", "sched_s", "state_s")}
+        split = {k: sum(x["split"][k] for x in rs) for k in SPLIT}
         total = sum(split.values()) or 1.0
         ident = sum(x["identical"] for x in rs) / len(rs)
         print(f"| {dtype} | {wl} | {name} | {statistics.median(x['tok_per_s'] for x in rs):.1f} | "

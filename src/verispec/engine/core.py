@@ -1,12 +1,14 @@
 """The engine: continuous batching with speculative decoding of many requests in one target forward per step.
 
-Each step:
-  1. admit waiting requests while a cache slot is free (one slot per running request, max_model_len long);
-  2. give every decoding request one token of the block (its pending last token), then prefill chunks of the
-     requests still prefilling, under the step's token budget (chunked prefill);
-  3. the policy sets draft lengths; drafters propose; the policy sets how much of each draft to verify;
-  4. ONE target forward over the ragged block of every request ([last, x_1..x_l] per decoding request);
-  5. per request: verify, commit the KV of every accepted position, roll back the rest, emit tokens.
+`Engine.step` runs named stages:
+  1. admit     - waiting requests take a free cache slot (one per running request, max_model_len long);
+  2. plan      - one token for every decoding request (its pending last token), then prefill chunks of the
+                 requests still prefilling, under the step's token budget (chunked prefill) -> a `StepPlan`;
+  3. draft     - the policy sets draft lengths, drafters propose, the policy sets how much of each to verify;
+  4. forward   - ONE target forward over the ragged batch of every request's block (the model runner);
+  5. prefill   - commit the prefill chunks' KV;
+  6. verify    - per decoding request: the verification rule, commit the KV of every accepted position
+                 (the rest rolls back), drafter feedback, emit tokens.
 Requests join and leave at every step. With a single request this is plain or speculative single-stream
 decoding: the same code, so every path samples from the same processed distribution.
 """
@@ -18,20 +20,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from verispec.drafters import DrafterFactory
-from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
-from verispec.drafters.features import select
-from verispec.engine.scheduler import Candidate, StaticPolicy
-from verispec.state.kv_cache import KVCache
-from verispec.models.llama import LlamaModel, Segment
-from verispec.state.request import Request
-from verispec.execution.sampling import target_probs
+from verispec.drafters.base import Draft, Drafter, needs_features
 from verispec.engine.costs import AcceptanceEstimator
-from verispec.execution.verify import EXACT, AcceptanceConfig, verify_greedy, verify_sampled
+from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
+from verispec.engine.scheduler import Candidate, Policy
+from verispec.execution.runner import BatchOutput, Block, ModelRunner
+from verispec.execution.verify import EXACT, AcceptanceConfig, Verdict, verify
+from verispec.models.llama import LlamaModel
+from verispec.state.kv_cache import KVCache
+from verispec.state.request import Request
 
-TokenCallback = Callable[[Request, list[int]], None]
+__all__ = ["Engine", "EngineConfig", "RequestTooLong", "SpecCounters", "TokenCallback"]
+
 StateCheck = Callable[[Request, "Drafter | None"], None]
 
 
@@ -50,21 +51,12 @@ class EngineConfig:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
 
 
-@dataclass
-class _Live:
-    """Engine-side state of one admitted request."""
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds of one step that every decoding request in it shares."""
 
-    req: Request
-    drafter: Drafter | None
-    estimator: AcceptanceEstimator
-    generator: torch.Generator | None
-    on_tokens: TokenCallback | None
-    probe: bool = False
-    aborted: bool = False
-
-    @property
-    def prefilled(self) -> bool:
-        return self.req.num_computed >= len(self.req.prompt_ids) - 1
+    sched_s: float  # planning and policy decisions (drafting excluded)
+    forward_s: float  # the batched target forward
 
 
 @dataclass
@@ -94,7 +86,7 @@ class Engine:
         model: LlamaModel,
         cache: KVCache,
         drafters: DrafterFactory,
-        policy: StaticPolicy,
+        policy: Policy,
         eos_ids: frozenset[int],
         config: EngineConfig = EngineConfig(),
         rule: AcceptanceConfig = EXACT,
@@ -103,8 +95,9 @@ class Engine:
         assert len(cache.slots) >= config.max_num_seqs, "the cache needs one slot per running request"
         self.model, self.cache, self.drafters, self.policy = model, cache, drafters, policy
         self.eos_ids, self.config, self.rule, self.check_state = eos_ids, config, rule, check_state
+        self.runner = ModelRunner(model, cache, drafters.feature_layers)
         self.waiting: deque[tuple[Request, TokenCallback | None]] = deque()
-        self.running: list[_Live] = []
+        self.running: list[LiveRequest] = []
         self.counters = SpecCounters()
         self.num_finished = 0
 
@@ -152,128 +145,119 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> None:
-        t_sched = time.perf_counter()
+        t_start = time.perf_counter()
         self._reap()
         self._admit()
         if not self.running:
             return
-        budget = self.config.max_num_batched_tokens
-        decoding = [lv for lv in self.running if lv.prefilled]
-        budget -= len(decoding)
-        prefill: list[tuple[_Live, int]] = []
-        for lv in self.running:
-            if lv.prefilled or budget <= 0:
-                continue
-            n = min(len(lv.req.prompt_ids) - 1 - lv.req.num_computed, budget)
-            prefill.append((lv, n))
-            budget -= n
-        base = len(decoding) + sum(n for _, n in prefill)
-
-        # speculation: lengths before drafting, drafts, lengths to verify (all before the target sees them)
-        spec = [lv for lv in decoding if lv.drafter is not None and lv.req.output_ids]
-        drafts: dict[int, Draft] = {}
-        draft_time: dict[int, float] = {}
-        proposed: set[int] = set()  # requests whose drafter proposed tokens (it must hear the verdict)
-        if spec:
-            cands = [Candidate(self._limit(lv), lv.estimator, lv.probe) for lv in spec]
-            want = self.policy.draft_lengths(cands, base)
-            props = []
-            for lv, k in zip(spec, want):
-                t = time.perf_counter()
-                d = lv.drafter.propose(lv.req.all_ids, k) if k > 0 else EMPTY  # type: ignore[union-attr]
-                draft_time[id(lv)] = time.perf_counter() - t
-                if d.tokens:
-                    proposed.add(id(lv))
-                props.append(Draft(d.tokens[:k], None if d.probs is None else d.probs[:k],
-                                   None if d.confidence is None else d.confidence[:k]))
-            keep = self.policy.verify_lengths(cands, props, base)
-            budget_left = budget
-            for lv, d, n in zip(spec, props, keep):
-                n = max(0, min(n, budget_left))
-                budget_left -= n
-                drafts[id(lv)] = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
+        plan = plan_step(self.running, self.config.max_num_batched_tokens)
+        self._draft(plan)
         t_forward = time.perf_counter()
-
-        # one forward over every block
-        ids: list[int] = []
-        segments: list[Segment] = []
-        logits_rows: list[int] = []
-        for lv in decoding:
-            lv.req.check(self.cache.length(lv.req.slot))  # type: ignore[arg-type]
-            d = drafts.get(id(lv), EMPTY)
-            last = lv.req.all_ids[lv.req.num_computed]
-            block = [last] + d.tokens
-            logits_rows.extend(range(len(ids), len(ids) + len(block)))
-            segments.append(Segment(lv.req.slot, lv.req.num_computed, len(block)))  # type: ignore[arg-type]
-            ids.extend(block)
-        for lv, n in prefill:
-            start = lv.req.num_computed
-            segments.append(Segment(lv.req.slot, start, n))  # type: ignore[arg-type]
-            ids.extend(lv.req.prompt_ids[start : start + n])
-        layers = self.drafters.feature_layers  # target states the (learned) drafters read; () for the others
-        out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
-                         logits_indices=logits_rows, capture_layers=layers)
-        t_verify = time.perf_counter()
-        sched_s = t_forward - t_sched - sum(draft_time.values())
-
-        off = len(logits_rows)  # prefill rows follow the decode blocks in the flat batch
-        for lv, n in prefill:
-            self.cache.commit(lv.req.slot, n)  # type: ignore[arg-type]
-            lv.req.num_computed += n
-            if needs_features(lv.drafter):
-                lv.drafter.add_features(select(out.hidden, layers, slice(off, off + n)))  # type: ignore[union-attr]
-            off += n
-            if lv.prefilled:
-                lv.req.stats.prefill_s = t_verify - lv.req.start_time
-        row = 0
-        for lv in decoding:
-            d = drafts.get(id(lv), EMPTY)
-            g = len(d.tokens)
-            logits = out.logits[row : row + g + 1]  # [g + 1, V]
-            feats = select(out.hidden, layers, slice(row, row + g + 1)) if needs_features(lv.drafter) else None
-            row += g + 1
-            t0 = time.perf_counter()
-            self._accept(lv, d, logits, id(lv) in proposed, draft_s=draft_time.get(id(lv), 0.0),
-                         verify_s=t_verify - t_forward, sched_s=sched_s, t0=t0, feats=feats)
+        out = self.runner.run(self._blocks(plan))
+        timing = StepTiming(sched_s=t_forward - t_start - sum(lv.draft_s for lv in plan.decode),
+                            forward_s=time.perf_counter() - t_forward)
+        self._commit_prefill(plan, out)
+        for i, lv in enumerate(plan.decode):
+            self._verify_and_commit(lv, out, i, timing)
         self._reap()
 
-    def _limit(self, lv: _Live) -> int:
+    def _draft(self, plan: StepPlan) -> None:
+        """Policy lengths before drafting, the drafters' proposals, the policy's cut before verification."""
+        for lv in plan.decode:
+            lv.clear_draft()
+        spec = plan.speculating
+        if not spec:
+            return
+        cands = [Candidate(self._limit(lv), lv.estimator, lv.probe) for lv in spec]
+        proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
+        keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
+        budget = plan.draft_budget
+        for lv, d, n in zip(spec, proposals, keep):
+            n = max(0, min(n, budget))
+            budget -= n
+            lv.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
+
+    def _propose(self, lv: LiveRequest, k: int) -> Draft:
+        """Ask the request's drafter for up to k tokens, timing it; the proposal is cut to k."""
+        if k <= 0:
+            return Draft([])
+        t = time.perf_counter()
+        d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
+        lv.draft_s = time.perf_counter() - t
+        lv.proposed = bool(d.tokens)
+        return Draft(d.tokens[:k], None if d.probs is None else d.probs[:k],
+                     None if d.confidence is None else d.confidence[:k])
+
+    def _limit(self, lv: LiveRequest) -> int:
         r = lv.req
         left = r.params.max_tokens - len(r.output_ids) - 1
         room = self.cache.max_len - r.num_computed - 1
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
-    def _accept(self, lv: _Live, d: Draft, logits: torch.Tensor, proposed: bool, *, draft_s: float, verify_s: float,
-                sched_s: float, t0: float, feats: torch.Tensor | None = None) -> None:
-        req, g = lv.req, len(d.tokens)
-        x = torch.tensor(d.tokens, dtype=torch.long)
-        if req.params.greedy:
-            verdict = verify_greedy(x, logits)
-        else:
-            p = target_probs(logits, req.params.temperature, req.params.top_k, req.params.top_p)  # [g + 1, V]
-            verdict = verify_sampled(x, d.probs, p, lv.generator, self.rule)  # type: ignore[arg-type]
-        self.cache.commit(req.slot, verdict.accepted + 1)  # type: ignore[arg-type]
-        req.num_computed += verdict.accepted + 1
-        if lv.drafter is not None and proposed:  # even when none of the draft was verified
-            lv.drafter.observe(verdict.accepted)
-        if feats is not None:  # the committed block positions: the pending token and the accepted drafts
-            lv.drafter.add_features(feats[: verdict.accepted + 1])  # type: ignore[union-attr]
-        first = not req.output_ids
-        kept = req.append(verdict.tokens, self.eos_ids)
-        if lv.drafter is not None and not first:
+    def _blocks(self, plan: StepPlan) -> list[Block]:
+        """The flat batch: each decoding request's [pending last token, draft...], then the prefill chunks."""
+        blocks = []
+        for lv in plan.decode:
+            r, slot = lv.req, lv.req.slot
+            assert slot is not None
+            r.check(self.cache.length(slot))
+            blocks.append(Block(slot, r.num_computed, [r.all_ids[r.num_computed]] + lv.draft_tokens, logits=True))
+        for c in plan.prefill:
+            r, slot, start = c.live.req, c.live.req.slot, c.live.req.num_computed
+            assert slot is not None
+            blocks.append(Block(slot, start, r.prompt_ids[start : start + c.length], logits=False))
+        return blocks
+
+    def _commit_prefill(self, plan: StepPlan, out: BatchOutput) -> None:
+        done = time.perf_counter()
+        for i, c in enumerate(plan.prefill, start=len(plan.decode)):
+            lv = c.live
+            self.cache.commit(lv.req.slot, c.length)  # type: ignore[arg-type]
+            lv.req.num_computed += c.length
+            if needs_features(lv.drafter):
+                lv.drafter.add_features(out.features(i))  # type: ignore[union-attr]
+            if lv.prefilled:
+                lv.req.stats.prefill_s = done - lv.req.start_time
+
+    def _verify_and_commit(self, lv: LiveRequest, out: BatchOutput, block: int, timing: StepTiming) -> None:
+        """Decode block `block` of the batch belongs to `lv`: verify its draft, keep the accepted positions."""
+        d = lv.draft or Draft([])
+        t_verify = time.perf_counter()
+        verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)
+        t_state = time.perf_counter()
+        self._commit(lv, verdict, out, block)
+        first = not lv.req.output_ids
+        kept = lv.req.append(verdict.tokens, self.eos_ids)
+        if not first:  # the first step finishes the prefill; it is not a decode step
+            self._account(lv, verdict, timing, verify_s=t_state - t_verify, state_s=time.perf_counter() - t_state)
+        if lv.on_tokens is not None and kept:
+            lv.on_tokens(lv.req, kept)
+        if self.check_state is not None and not lv.req.finished:
+            self.check_state(lv.req, lv.drafter)
+
+    def _commit(self, lv: LiveRequest, verdict: Verdict, out: BatchOutput, block: int) -> None:
+        """KV of the pending token and the accepted drafts; the drafter hears the verdict, then gets features."""
+        n = verdict.accepted + 1
+        self.cache.commit(lv.req.slot, n)  # type: ignore[arg-type]
+        lv.req.num_computed += n
+        if lv.proposed:  # even when none of the draft was verified
+            lv.drafter.observe(verdict.accepted)  # type: ignore[union-attr]
+        if needs_features(lv.drafter):
+            lv.drafter.add_features(out.features(block, n))  # type: ignore[union-attr]
+
+    def _account(self, lv: LiveRequest, verdict: Verdict, timing: StepTiming, *, verify_s: float,
+                 state_s: float) -> None:
+        """The acceptance estimate, the probe schedule, per-request and engine-wide counters."""
+        g = len(lv.draft_tokens)
+        if lv.drafter is not None:
             if g:
-                lv.estimator.update(g, verdict.accepted, draft_s)
+                lv.estimator.update(g, verdict.accepted, lv.draft_s)
                 lv.probe = False
             else:
                 lv.probe = lv.estimator.plain_step()
-        if not first:  # the first step finishes the prefill; it is not a decode step
-            req.spec.record(g, verdict.accepted, draft_s=draft_s, verify_s=verify_s, sched_s=sched_s,
-                            state_s=time.perf_counter() - t0)
-            self.counters.record(g, verdict.accepted)
-        if lv.on_tokens is not None and kept:
-            lv.on_tokens(req, kept)
-        if self.check_state is not None and not req.finished:
-            self.check_state(req, lv.drafter)
+        lv.req.spec.record(g, verdict.accepted, draft_s=lv.draft_s, forward_s=timing.forward_s, verify_s=verify_s,
+                           sched_s=timing.sched_s, state_s=state_s)
+        self.counters.record(g, verdict.accepted)
 
     # ---- admission and release ------------------------------------------------------------------
     def _admit(self) -> None:
@@ -292,7 +276,7 @@ class Engine:
                 self.waiting.appendleft((req, cb))
                 raise
             gen = None if p.greedy else p.make_generator(self.model.device)
-            self.running.append(_Live(req, drafter, AcceptanceEstimator(), gen, cb))
+            self.running.append(LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb))
 
     def _reap(self) -> None:
         """Release finished and aborted requests: slot, KV and drafter state, all at once."""
@@ -308,7 +292,7 @@ class Engine:
                 still.append(lv)
         self.running = still
 
-    def _release(self, lv: _Live) -> None:
+    def _release(self, lv: LiveRequest) -> None:
         if lv.drafter is not None:
             lv.drafter.release()
         if lv.req.slot is not None:
@@ -316,10 +300,10 @@ class Engine:
         self.num_finished += 1
 
     def fail_all(self, message: str) -> list[Request]:
-        """After an engine error: finish every request with the error, free everything; returns them."""
+        """After an engine error: finish every request with `message` as its error, free everything."""
         failed = [lv.req for lv in self.running] + [r for r, _ in self.waiting]
         for lv in self.running:
-            lv.req.finish_reason = "error"
+            lv.req.finish_reason, lv.req.error = "error", message
             try:
                 self._release(lv)
             except Exception:  # noqa: BLE001 - keep freeing the others
@@ -327,7 +311,7 @@ class Engine:
             if lv.on_tokens is not None:
                 lv.on_tokens(lv.req, [])
         for req, cb in self.waiting:
-            req.finish_reason = "error"
+            req.finish_reason, req.error = "error", message
             if cb is not None:
                 cb(req, [])
         self.running, self.waiting = [], deque()

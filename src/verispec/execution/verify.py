@@ -14,8 +14,11 @@ ones (`threshold`, `typical`) do not, and every result made with them is labelle
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+from verispec.execution.sampling import SamplingParams, target_probs
 
 
 @dataclass(frozen=True)
@@ -105,3 +108,24 @@ def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
     total = r.sum()
     # total == 0 only when p <= q everywhere, i.e. p == q: then rejection had probability 0; p is the safe answer
     return r / total if total > 0 else p
+
+
+def verify(
+    draft: Sequence[int],
+    q: torch.Tensor | None,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    rule: AcceptanceConfig = EXACT,
+) -> Verdict:
+    """One request's verdict. draft: [g]; q: [g, V] or None; logits: [g + 1, V] the target's raw logits.
+
+    Greedy compares with the argmax of the raw logits; sampling builds the request's processed distribution
+    (the same `target_probs` plain decoding samples from) and applies `rule`.
+    """
+    x = torch.tensor(list(draft), dtype=torch.long)  # [g]
+    if params.greedy:
+        return verify_greedy(x, logits)
+    assert generator is not None, "a sampled request has its own generator"
+    p = target_probs(logits, params.temperature, params.top_k, params.top_p)  # [g + 1, V]
+    return verify_sampled(x, q, p, generator, rule)

@@ -52,14 +52,16 @@ class SpecStats:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [position] steps whose draft reached this position
     accepted_at: list[int] = field(default_factory=list)  # [position] steps that accepted this position
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    sched_s: float = 0.0
-    state_s: float = 0.0
+    # where the step's time went, summed over steps (each request is charged the whole shared forward)
+    draft_s: float = 0.0  # its drafter proposing
+    forward_s: float = 0.0  # the batched target forward that verified its block
+    verify_s: float = 0.0  # the verification rule on its block (greedy compare / rejection sampling)
+    sched_s: float = 0.0  # planning the step and the policy's decisions
+    state_s: float = 0.0  # committing KV, drafter feedback, appending tokens
     lossy: bool = False
 
-    def record(self, drafted: int, accepted: int, *, draft_s: float, verify_s: float, sched_s: float,
-               state_s: float) -> None:
+    def record(self, drafted: int, accepted: int, *, draft_s: float, forward_s: float, verify_s: float,
+               sched_s: float, state_s: float) -> None:
         assert 0 <= accepted <= drafted
         self.steps += 1
         self.drafted += drafted
@@ -71,6 +73,7 @@ class SpecStats:
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
         self.draft_s += draft_s
+        self.forward_s += forward_s
         self.verify_s += verify_s
         self.sched_s += sched_s
         self.state_s += state_s
@@ -89,6 +92,7 @@ class SpecStats:
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "per_position_acceptance": [round(a / d, 4) for a, d in zip(self.accepted_at, self.drafted_at)],
             "draft_s": round(self.draft_s, 6),
+            "forward_s": round(self.forward_s, 6),
             "verify_s": round(self.verify_s, 6),
             "sched_s": round(self.sched_s, 6),
             "state_s": round(self.state_s, 6),
@@ -105,10 +109,11 @@ class Request:
     slot: int | None = None
     # tokens whose KV is committed in the cache; the last sampled token is not yet in it
     num_computed: int = 0
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (aborted) | "error" (failed: see `error`)
     start_time: float = field(default_factory=time.perf_counter)
     stats: RequestStats = field(default_factory=RequestStats)
     spec: SpecStats = field(default_factory=SpecStats)
+    error: str | None = None  # why the request failed, with finish_reason "error"
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -1,0 +1,91 @@
+"""What one engine step will do, decided before any tensor is touched.
+
+`plan_step` splits the step's token budget: one token for every decoding request (its pending last token),
+then prefill chunks for the requests still prefilling, in admission order (chunked prefill). Drafts come
+after, from what is left (`StepPlan.draft_budget`). Each running request's engine-side state, including the
+draft it carries into this step's forward, lives on its `LiveRequest`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from verispec.engine.costs import AcceptanceEstimator
+from verispec.state.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+    from verispec.drafters.base import Draft, Drafter
+
+TokenCallback = Callable[[Request, list[int]], None]
+
+
+@dataclass
+class LiveRequest:
+    """Engine-side state of one admitted request, including this step's draft."""
+
+    req: Request
+    drafter: "Drafter | None"
+    estimator: AcceptanceEstimator
+    generator: "torch.Generator | None"
+    on_tokens: TokenCallback | None
+    probe: bool = False  # the estimator asked for a short probe this step
+    aborted: bool = False
+    # this step's speculation, reset by `clear_draft` at the start of every step
+    draft: "Draft | None" = None  # the part of the proposal that goes into the forward (None: no draft)
+    draft_s: float = 0.0  # seconds its drafter spent proposing
+    proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.req.num_computed >= len(self.req.prompt_ids) - 1
+
+    @property
+    def speculates(self) -> bool:
+        """Decoding, has a drafter, and is past its first token (the first step finishes the prefill)."""
+        return self.drafter is not None and self.prefilled and bool(self.req.output_ids)
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        return [] if self.draft is None else self.draft.tokens
+
+    def clear_draft(self) -> None:
+        self.draft, self.draft_s, self.proposed = None, 0.0, False
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    live: LiveRequest
+    length: int  # prompt tokens of this request computed in this step
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode: tuple[LiveRequest, ...]  # one block each: [pending last token, draft...]
+    prefill: tuple[PrefillChunk, ...]  # after the decode blocks in the flat batch
+    draft_budget: int  # tokens of the step's budget left for drafts
+
+    @property
+    def base_tokens(self) -> int:
+        """Tokens in the step before any draft."""
+        return len(self.decode) + sum(c.length for c in self.prefill)
+
+    @property
+    def speculating(self) -> list[LiveRequest]:
+        return [lv for lv in self.decode if lv.speculates]
+
+
+def plan_step(running: Sequence[LiveRequest], max_tokens: int) -> StepPlan:
+    """Budget `max_tokens` for one step: decode tokens first, then prefill chunks in order."""
+    decode = tuple(lv for lv in running if lv.prefilled)
+    budget = max_tokens - len(decode)
+    prefill = []
+    for lv in running:
+        if lv.prefilled or budget <= 0:
+            continue
+        n = min(len(lv.req.prompt_ids) - 1 - lv.req.num_computed, budget)
+        prefill.append(PrefillChunk(lv, n))
+        budget -= n
+    return StepPlan(decode, tuple(prefill), budget)

@@ -1,0 +1,74 @@
+"""The model runner: lays the blocks of one engine step out as ONE flat target forward and hands back each
+block's rows.
+
+Decode blocks come first (each [pending last token, draft x_1..x_g], logits for every row), then prefill
+chunks (no logits). The forward reserves every block in the KV cache; the engine then commits what it keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from verispec.drafters.features import select
+from verispec.models.llama import ForwardOutput, LlamaModel, Segment
+from verispec.state.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Block:
+    """`tokens` of the sequence in cache slot `slot`, at positions start .. start + len(tokens) - 1."""
+
+    slot: int
+    start: int
+    tokens: list[int]
+    logits: bool  # a decode block: logits for every row
+
+
+@dataclass
+class BatchOutput:
+    """The forward over the flat batch, addressed by block index."""
+
+    out: ForwardOutput
+    rows: list[slice]  # [block] its rows in the flat batch
+    logit_rows: list[slice | None]  # [block] its rows among the logits (decode blocks only)
+    feature_layers: tuple[int, ...]
+
+    def logits(self, block: int) -> torch.Tensor:
+        """[len(block), V] float32 logits of a decode block."""
+        rows = self.logit_rows[block]
+        assert rows is not None, "a prefill chunk has no logits"
+        return self.out.logits[rows]
+
+    def features(self, block: int, n: int | None = None) -> torch.Tensor:
+        """[n, len(feature_layers) d]: the captured states of the block's first n rows (all by default)."""
+        r = self.rows[block]
+        stop = r.stop if n is None else r.start + n
+        return select(self.out.hidden, self.feature_layers, slice(r.start, stop))
+
+
+class ModelRunner:
+    """Runs the target over the blocks of one step; capturing `feature_layers` for learned drafters."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, feature_layers: Sequence[int] = ()) -> None:
+        self.model, self.cache, self.feature_layers = model, cache, tuple(feature_layers)
+
+    def run(self, blocks: Sequence[Block]) -> BatchOutput:
+        ids: list[int] = []
+        segments: list[Segment] = []
+        logits_rows: list[int] = []
+        rows: list[slice] = []
+        logit_rows: list[slice | None] = []
+        for b in blocks:
+            n = len(b.tokens)
+            rows.append(slice(len(ids), len(ids) + n))
+            logit_rows.append(slice(len(logits_rows), len(logits_rows) + n) if b.logits else None)
+            if b.logits:
+                logits_rows.extend(range(len(ids), len(ids) + n))
+            segments.append(Segment(b.slot, b.start, n))
+            ids.extend(b.tokens)
+        out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
+                         logits_indices=logits_rows, capture_layers=self.feature_layers)
+        return BatchOutput(out, rows, logit_rows, self.feature_layers)
