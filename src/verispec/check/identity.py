@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.models.llama import LlamaModel, Segment
+from verispec.models.llama import LlamaModel
 
 NEAR_TIE = 1e-3  # fp32 margin below which a divergence is attributed to arithmetic, not to the algorithm
 # bf16 logits move by up to ~0.5 with the number of tokens computed together (MEASURE.md), and tie exactly often
@@ -53,10 +53,8 @@ def common_prefix_fraction(a: Sequence[int], b: Sequence[int]) -> float:
 
 def top2_margin(model: LlamaModel, tokens: Sequence[int]) -> float:
     """The target's top-1 minus top-2 logit for the token after `tokens`, from a fresh forward."""
-    cache = model.new_cache(len(tokens))
-    slot = cache.allocate()
-    out = model(torch.tensor(list(tokens), device=model.device), [Segment(slot, 0, len(tokens))], cache)
-    top = out.logits[0].topk(2).values
+    _, _, out = model.prefill_fresh(tokens)
+    top = out.logits[0].topk(2).values  # [2]
     return float(top[0] - top[1])
 
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from verispec.state.kv_cache import KVCache
-from verispec.models.llama import LlamaModel, Segment
+from verispec.models.llama import LlamaModel
 
 
 class StateMismatch(AssertionError):
@@ -32,10 +32,7 @@ def check_kv(model: LlamaModel, cache: KVCache, slot: int, tokens: Sequence[int]
     if n == 0:
         return
     atol = default_atol(model) if atol is None else atol
-    fresh = model.new_cache(n)
-    s = fresh.allocate()
-    model(torch.tensor(list(tokens), device=model.device), [Segment(s, 0, n)], fresh)
-    fresh.commit(s, n)
+    fresh, s, _ = model.prefill_fresh(tokens)
     for layer in range(model.cfg.num_layers):
         for name, live, ref in (("K", cache.k, fresh.k), ("V", cache.v, fresh.v)):
             diff = (live[layer][slot, :, :n].float() - ref[layer][s, :, :n].float()).abs().amax(dim=(0, 2))  # [n]

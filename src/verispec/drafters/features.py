@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from verispec.models.llama import ForwardOutput, LlamaModel, Segment
+from verispec.models.llama import ForwardOutput, LlamaModel
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:
@@ -41,11 +41,9 @@ def select(hidden: Mapping[int, torch.Tensor], layers: Sequence[int], rows: slic
 
 def capture_forward(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> ForwardOutput:
     """A from-scratch target forward over `tokens` in a fresh cache, capturing `layers` and the post-norm states."""
-    n = len(tokens)
-    cache = model.new_cache(n)
-    s = cache.allocate()
-    return model(torch.tensor(list(tokens), device=model.device), [Segment(s, 0, n)], cache,
-                 logits_indices=[n - 1], capture_layers=tuple(layers), return_last_hidden=True)
+    _, _, out = model.prefill_fresh(tokens, logits_indices=[len(tokens) - 1], capture_layers=tuple(layers),
+                                    return_last_hidden=True)
+    return out
 
 
 def target_features(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> tuple[torch.Tensor, ForwardOutput]:

@@ -13,14 +13,11 @@ from verispec.models.llama import LlamaModel, Segment
 
 def profile_costs(model: LlamaModel, sizes=(1, 2, 3, 4, 6, 8, 12, 16), context: int = 128, repeats: int = 3) -> CostTable:
     """Time one forward of each block size after `context` committed tokens (median of repeats)."""
-    room = model.rope_cos.shape[0]
+    room = model.max_positions
     sizes = tuple(n for n in sizes if n < room) or (1,)
     context = max(1, min(context, room - max(sizes)))
-    cache = model.new_cache(context + max(sizes))
-    slot = cache.allocate()
-    ids = torch.arange(context + max(sizes), device=model.device) % model.cfg.vocab_size
-    model(ids[:context], [Segment(slot, 0, context)], cache)
-    cache.commit(slot, context)
+    ids = torch.arange(context + max(sizes), device=model.device) % model.cfg.vocab_size  # [context + max size]
+    cache, slot, _ = model.prefill_fresh(ids[:context], max_len=context + max(sizes))
     out = []
     for n in sizes:
         times = []
@@ -37,13 +34,12 @@ def profile_step_costs(model: LlamaModel, max_tokens: int, segments: int = 8, re
     """Profile one sequence's block sizes 1..max_tokens, and the extra cost of splitting a block over sequences."""
     table = profile_costs(model, step_sizes(max_tokens), repeats=repeats)
     n = segments
-    ctx = max(1, min(64, model.rope_cos.shape[0] - 1))
+    ctx = max(1, min(64, model.max_positions - 1))
     cache = model.new_cache(ctx + 1, num_slots=n)
     slots = [cache.allocate() for _ in range(n)]
-    ids = torch.arange(ctx + 1, device=model.device) % model.cfg.vocab_size
+    ids = torch.arange(ctx + 1, device=model.device) % model.cfg.vocab_size  # [ctx + 1]
     for s in slots:
-        model(ids[:ctx], [Segment(s, 0, ctx)], cache)
-        cache.commit(s, ctx)
+        model.prefill(ids[:ctx], cache, s)
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()

@@ -4,12 +4,18 @@ Mistral (sliding window); tied or untied embeddings. Config switches, no per-mod
 The forward takes a flat block of new tokens that may belong to several sequences (segments), writes
 their K/V into the cache at their positions, and attends per sequence with the right causal / window mask.
 Linear layers run once over all N flattened tokens.
+
+`LlamaModel.forward` reserves the segments' blocks in the cache, builds one `AttentionContext` (the RoPE rows
+of the new positions, the segments, their masks, the cache) and runs every `Layer.forward(x, ctx)` with it.
+`LlamaModel.prefill` / `prefill_fresh` are the one "forward over tokens in an empty slot, then commit" helper.
+Weights keep their fused names (`layer.qkv`, `layer.o`, `layer.gate_up`, `layer.attn_norm`, ...): the loader,
+the drafters and `load_hf_state_dict` address them directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +24,9 @@ from torch import nn
 from verispec.config import ModelConfig
 from verispec.state.kv_cache import KVCache
 from verispec.models.rope import apply_rope, rope_tables
+
+# per window size (None = full attention): (first key position read, bool [n, keys] True = hidden, or None)
+MaskTable = dict[int | None, tuple[int, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,17 @@ class Segment:
     length: int
 
 
+@dataclass(frozen=True)
+class AttentionContext:
+    """What every layer's attention reads in one forward; `LlamaModel.forward` builds it once and passes it on."""
+
+    cos: torch.Tensor  # [N, 1, head_dim] RoPE cosines of the N new positions, in the model's dtype
+    sin: torch.Tensor  # [N, 1, head_dim] signed sines (see models/rope.py), in the model's dtype
+    segments: tuple[Segment, ...]  # the N rows, in segment order
+    masks: tuple[MaskTable, ...]  # one per segment
+    cache: KVCache  # each layer writes its K/V here (its own `Layer.index`) and reads the keys back
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [M, vocab] float32, one row per requested index
@@ -36,9 +56,10 @@ class ForwardOutput:
     last_hidden: torch.Tensor | None = None  # [N, d] after the final norm, if asked for
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's arithmetic: normalise in fp32, round to the model dtype, then scale. On CPU these few small ops
-    # are cheaper than F.rms_norm, whose generic kernel costs more than the whole formula for one token.
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., d], w: [d] -> [..., d]. HF's arithmetic: normalise in fp32, round to x's dtype, then scale."""
+    # On CPU these few small ops are cheaper than F.rms_norm, whose generic kernel costs more than the whole
+    # formula for one token.
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -57,59 +78,17 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch
     return torch.bmm(torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
-def pre_attention(
-    x: torch.Tensor,
-    norm_w: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_b: torch.Tensor | None,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    H: int,
-    K: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
-    n = x.shape[0]
-    qkv = F.linear(_rms_norm(x, norm_w, eps), qkv_w, qkv_b)  # [N, (H + 2K) hd]
-    hd = qkv.shape[1] // (H + 2 * K)
-    v = qkv[:, (H + K) * hd :].view(n, K, hd)
-    if q_norm is None:  # rotate q and k together: [N, H + K, hd]
-        qk = apply_rope(qkv[:, : (H + K) * hd].view(n, H + K, hd), cos, sin)
-        return qk[:, :H], qk[:, H:], v
-    q = _rms_norm(qkv[:, : H * hd].view(n, H, hd), q_norm, eps)
-    k = _rms_norm(qkv[:, H * hd : (H + K) * hd].view(n, K, hd), k_norm, eps)  # type: ignore[arg-type]
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def post_attention(
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    o_w: torch.Tensor,
-    o_b: torch.Tensor | None,
-    norm_w: torch.Tensor,
-    gate_up_w: torch.Tensor,
-    gate_up_b: torch.Tensor | None,
-    down_w: torch.Tensor,
-    down_b: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """x: [N, d] residual, attn: [N, H hd] -> the residual after the output projection and the SwiGLU MLP."""
-    x = _residual_linear(x, attn, o_w, o_b)
-    gate, up = F.linear(_rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)  # [N, I] each
-    return _residual_linear(x, F.silu(gate) * up, down_w, down_b)
-
-
 def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + h W^T (+ b), in one addmm when there is no bias."""
+    """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when there is no bias."""
     if b is None:
         return torch.addmm(x, h, w.t())
     return x + F.linear(h, w, b)
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Decoder layer `index`: x + attention(attn_norm(x)), then + SwiGLU(mlp_norm(.)), on fused weights."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -125,6 +104,57 @@ class Layer(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.zeros(2 * cfg.intermediate_size)) if cfg.mlp_bias else None
         self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size))
         self.down_bias = nn.Parameter(torch.zeros(d)) if cfg.mlp_bias else None
+        # plain attributes, not weights: the cache layer this one writes, its window, head counts
+        self.index = index
+        self.window = cfg.layer_window(index)  # None = full attention
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x: [N, d] the residual entering the layer -> [N, d] the residual leaving it."""
+        q, k, v = self.project_qkv(x, ctx.cos, ctx.sin)  # [N, H, hd], [N, K, hd], [N, K, hd]
+        x = _residual_linear(x, self.attend(q, k, v, ctx), self.o, self.o_bias)  # [N, d]
+        return self.feed_forward(x)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
+        n, H, K, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(rms_norm(x, self.attn_norm, self.eps), self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
+        v = qkv[:, (H + K) * hd :].view(n, K, hd)
+        if self.q_norm is None:  # rotate q and k together: [N, H + K, hd]
+            qk = apply_rope(qkv[:, : (H + K) * hd].view(n, H + K, hd), cos, sin)
+            return qk[:, :H], qk[:, H:], v
+        q = rms_norm(qkv[:, : H * hd].view(n, H, hd), self.q_norm, self.eps)
+        k = rms_norm(qkv[:, H * hd : (H + K) * hd].view(n, K, hd), self.k_norm, self.eps)  # type: ignore[arg-type]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q: [N, H, hd]; k, v: [N, K, hd]. Writes k, v to the cache, attends per segment; returns [N, H hd]."""
+        H, K, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // K
+        cache, li = ctx.cache, self.index
+        outs = []
+        off = 0
+        for s, m in zip(ctx.segments, ctx.masks):
+            n, end = s.length, s.start + s.length
+            cache.write(li, s.slot, s.start, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
+            lo, blocked = m[self.window]
+            keys = cache.k[li][s.slot, :, lo:end]  # [K, L, hd]
+            vals = cache.v[li][s.slot, :, lo:end]
+            # group the G query heads that share one KV head: [n, H, hd] -> [K, G n, hd]
+            qs = q[off : off + n].transpose(0, 1).reshape(K, G * n, hd)
+            if blocked is not None:
+                blocked = blocked.repeat(G, 1)  # [G n, L], rows in the same (g, i) order as qs
+            o = _attention(qs, keys, vals, blocked)  # [K, G n, hd]
+            outs.append(o.reshape(H, n, hd).transpose(0, 1).reshape(n, H * hd))
+            off += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
+        gate, up = F.linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return _residual_linear(x, F.silu(gate) * up, self.down, self.down_bias)  # gate, up: [N, I] each
 
 
 class LlamaModel(nn.Module):
@@ -132,17 +162,22 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self._init_rope(rope_len or cfg.max_position_embeddings)
+        self.set_rope_length(rope_len or cfg.max_position_embeddings)
         self._windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}  # None = full attention
 
-
-    def _init_rope(self, max_len: int) -> None:
-        cos, sin = rope_tables(self.cfg, max_len, device=self.embed.device if not self.embed.is_meta else "meta")
-        self.register_buffer("rope_cos", cos, persistent=False)  # [max_len, head_dim] fp32
+    def set_rope_length(self, n: int) -> None:
+        """(Re)build the RoPE tables for positions 0 .. n-1, in fp32 on the embedding's device (or meta)."""
+        cos, sin = rope_tables(self.cfg, n, device=self.embed.device if not self.embed.is_meta else "meta")
+        self.register_buffer("rope_cos", cos, persistent=False)  # [n, head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        """How many positions the RoPE tables cover: no sequence (and no cache) may be longer."""
+        return self.rope_cos.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,8 +189,8 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, max_len: int, num_slots: int = 1) -> KVCache:
         c = self.cfg
-        if max_len > self.rope_cos.shape[0]:
-            raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.rope_cos.shape[0]})")
+        if max_len > self.max_positions:
+            raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.max_positions})")
         # CPU keeps K/V in fp32 whatever the weights' dtype: attention runs fastest there in fp32
         kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, kv_dtype, self.device)
@@ -164,6 +199,27 @@ class LlamaModel(nn.Module):
         return self.embed if self.lm_head is None else self.lm_head
 
     # ------------------------------------------------------------------------------------------
+    def prefill(self, tokens: torch.Tensor | Sequence[int], cache: KVCache, slot: int,
+                logits_indices: torch.Tensor | Sequence[int] | None = None, capture_layers: Sequence[int] = (),
+                return_last_hidden: bool = False) -> ForwardOutput:
+        """Forward `tokens` ([n] ids) as the first block of the empty `slot`, then commit all n positions."""
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(list(tokens), device=self.device)
+        n = ids.shape[0]
+        out = self(ids, [Segment(slot, 0, n)], cache, logits_indices=logits_indices, capture_layers=capture_layers,
+                   return_last_hidden=return_last_hidden)
+        cache.commit(slot, n)
+        return out
+
+    def prefill_fresh(self, tokens: torch.Tensor | Sequence[int], max_len: int | None = None,
+                      logits_indices: torch.Tensor | Sequence[int] | None = None, capture_layers: Sequence[int] = (),
+                      return_last_hidden: bool = False) -> tuple[KVCache, int, ForwardOutput]:
+        """A one-slot cache of `max_len` positions (default: just the tokens), prefilled with `tokens` and
+        committed: (cache, slot, the forward's output). The from-scratch reference the oracles compare with."""
+        cache = self.new_cache(len(tokens) if max_len is None else max_len)
+        slot = cache.allocate()
+        out = self.prefill(tokens, cache, slot, logits_indices, capture_layers, return_last_hidden)
+        return cache, slot, out
+
     @torch.inference_mode()
     def forward(
         self,
@@ -178,10 +234,26 @@ class LlamaModel(nn.Module):
 
         Reserves each segment's block in `cache` (the caller commits or rolls back afterwards).
         logits_indices: rows of the flat block to compute logits for (default: the last token of each segment).
+        capture_layers: layer indices i whose entering hidden state [N, d] to return (i = num_layers: the last
+        layer's output before the final norm). return_last_hidden: also return all N rows after the final norm.
         """
-        cfg = self.cfg
-        n_total = input_ids.shape[0]
-        assert sum(s.length for s in segments) == n_total, "segments must cover input_ids exactly"
+        assert sum(s.length for s in segments) == input_ids.shape[0], "segments must cover input_ids exactly"
+        self._reserve(segments, cache)
+        ctx = self._context(segments, cache)
+        x = F.embedding(input_ids, self.embed)  # [N, d]
+        hidden: dict[int, torch.Tensor] = {}
+        for li, layer in enumerate(self.layers):
+            if li in capture_layers:
+                hidden[li] = x
+            x = layer(x, ctx)  # [N, d]
+        if self.cfg.num_layers in capture_layers:
+            hidden[self.cfg.num_layers] = x
+        logits, last = self._head(x, segments, logits_indices, return_last_hidden)
+        return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last)
+
+    # ------------------------------------------------------------------------------------------
+    def _reserve(self, segments: Sequence[Segment], cache: KVCache) -> None:
+        """Open each segment's block in the cache; all or nothing, so a failed call leaves no half-reserved block."""
         reserved: list[Segment] = []
         try:
             for s in segments:
@@ -189,49 +261,22 @@ class LlamaModel(nn.Module):
                     f"length is {cache.length(s.slot)}"
                 cache.reserve(s.slot, s.length)
                 reserved.append(s)
-        except BaseException:  # all or nothing: a failed call leaves no half-reserved block behind
+        except BaseException:
             for s in reserved:
                 cache.rollback(s.slot, s.start)
             raise
 
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)
+    def _context(self, segments: Sequence[Segment], cache: KVCache) -> AttentionContext:
+        """The RoPE rows of the segments' N positions, their masks and the cache, shared by all layers."""
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)  # [N]
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # [N, 1, head_dim]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
-        masks = [self._masks(s) for s in segments]
+        masks = tuple(self._masks(s) for s in segments)
+        return AttentionContext(cos, sin, tuple(segments), masks, cache)
 
-        H, K = cfg.num_heads, cfg.num_kv_heads
-        x = F.embedding(input_ids, self.embed)  # [N, d]
-        hidden: dict[int, torch.Tensor] = {}
-        eps = cfg.rms_norm_eps
-        pre, post = pre_attention, post_attention
-        for li, layer in enumerate(self.layers):
-            if li in capture_layers:
-                hidden[li] = x
-            q, k, v = pre(x, layer.attn_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, cos, sin, H, K, eps)
-            attn = self._attend(li, q, k, v, segments, masks, cache)  # [N, H hd]
-            x = post(x, attn, layer.o, layer.o_bias, layer.mlp_norm, layer.gate_up, layer.gate_up_bias, layer.down,
-                     layer.down_bias, eps)
-        if cfg.num_layers in capture_layers:
-            hidden[cfg.num_layers] = x
-
-        if logits_indices is None:
-            ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
-            logits_indices = ends.to(self.device)
-        elif not isinstance(logits_indices, torch.Tensor):
-            logits_indices = torch.tensor(list(logits_indices), dtype=torch.long, device=self.device)
-        if return_last_hidden:
-            last = _rms_norm(x, self.norm, cfg.rms_norm_eps)
-            sel = last[logits_indices]
-        else:
-            last = None
-            sel = _rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
-        logits = F.linear(sel, self.output_weight()).float()  # [M, vocab]
-        return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last)
-
-    # ------------------------------------------------------------------------------------------
-    def _masks(self, s: Segment) -> dict[int | None, tuple[int, torch.Tensor | None]]:
+    def _masks(self, s: Segment) -> MaskTable:
         """Per window size (None = full): (first key position read, bool [length, keys] True = hidden, or None)."""
-        out: dict[int | None, tuple[int, torch.Tensor | None]] = {}
+        out: MaskTable = {}
         end = s.start + s.length
         q_pos = torch.arange(s.start, end, device=self.device).unsqueeze(1)  # [n, 1]
         for w in self._windows:
@@ -246,43 +291,26 @@ class LlamaModel(nn.Module):
             out[w] = (lo, blocked)
         return out
 
-    def _attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        segments: Sequence[Segment],
-        masks: list[dict[int | None, tuple[int, torch.Tensor | None]]],
-        cache: KVCache,
-    ) -> torch.Tensor:
-        """q: [N, H, hd]; k, v: [N, K, hd]. Writes k, v to the cache; returns [N, H hd]."""
-        cfg = self.cfg
-        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        G = H // K
-        window = cfg.layer_window(layer)
-        outs = []
-        off = 0
-        for s, m in zip(segments, masks):
-            n, end = s.length, s.start + s.length
-            cache.write(layer, s.slot, s.start, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
-            lo, blocked = m[window]
-            keys = cache.k[layer][s.slot, :, lo:end]  # [K, L, hd]
-            vals = cache.v[layer][s.slot, :, lo:end]
-            # group the G query heads that share one KV head: [n, H, hd] -> [K, G n, hd]
-            qs = q[off : off + n].transpose(0, 1).reshape(K, G * n, hd)
-            if blocked is not None:
-                blocked = blocked.repeat(G, 1)  # [G n, L], rows in the same (g, i) order as qs
-            o = _attention(qs, keys, vals, blocked)  # [K, G n, hd]
-            outs.append(o.reshape(H, n, hd).transpose(0, 1).reshape(n, H * hd))
-            off += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    def _head(self, x: torch.Tensor, segments: Sequence[Segment], logits_indices: torch.Tensor | Sequence[int] | None,
+              return_last_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [N, d] -> (logits [M, vocab] float32 of the requested rows, [N, d] after the final norm or None)."""
+        if logits_indices is None:  # the last row of each segment
+            ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
+            logits_indices = ends.to(self.device)
+        elif not isinstance(logits_indices, torch.Tensor):
+            logits_indices = torch.tensor(list(logits_indices), dtype=torch.long, device=self.device)
+        if return_last_hidden:
+            last = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # [N, d]
+            sel = last[logits_indices]
+        else:
+            last = None
+            sel = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [M, d]
+        return F.linear(sel, self.output_weight()).float(), last  # [M, vocab]
 
 
 # ---- weights --------------------------------------------------------------------------------------
 def load_hf_state_dict(model: LlamaModel, sd: Mapping[str, torch.Tensor]) -> None:
     """Copy weights named as in HF transformers' LlamaForCausalLM / Qwen2 / Qwen3 / Mistral into `model`."""
-    cfg = model.cfg
     used: set[str] = set()
 
     def get(name: str) -> torch.Tensor:
@@ -292,40 +320,45 @@ def load_hf_state_dict(model: LlamaModel, sd: Mapping[str, torch.Tensor]) -> Non
                 return sd[key]
         raise KeyError(f"checkpoint has no tensor {name!r}")
 
-    def put(param: torch.Tensor | None, value: torch.Tensor) -> None:
-        assert param is not None
-        if param.shape != value.shape:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(value.shape)} vs model {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(value)
-
-    put(model.embed, get("model.embed_tokens.weight"))
-    put(model.norm, get("model.norm.weight"))
+    _put(model.embed, get("model.embed_tokens.weight"))
+    _put(model.norm, get("model.norm.weight"))
     if model.lm_head is not None:
-        put(model.lm_head, get("lm_head.weight"))
+        _put(model.lm_head, get("lm_head.weight"))
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        put(layer.attn_norm, get(p + "input_layernorm.weight"))
-        put(layer.mlp_norm, get(p + "post_attention_layernorm.weight"))
-        put(layer.qkv, torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]))
-        if layer.qkv_bias is not None:
-            put(layer.qkv_bias, torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]))
-        put(layer.o, get(a + "o_proj.weight"))
-        if layer.o_bias is not None:
-            put(layer.o_bias, get(a + "o_proj.bias"))
-        if layer.q_norm is not None:
-            put(layer.q_norm, get(a + "q_norm.weight"))
-            put(layer.k_norm, get(a + "k_norm.weight"))
-        m = p + "mlp."
-        put(layer.gate_up, torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
-        if layer.gate_up_bias is not None:
-            put(layer.gate_up_bias, torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")]))
-        put(layer.down, get(m + "down_proj.weight"))
-        if layer.down_bias is not None:
-            put(layer.down_bias, get(m + "down_proj.bias"))
+        _load_layer(layer, f"model.layers.{i}.", get)
     ignored = [k for k in sd if k not in used and "rotary_emb" not in k]
     if model.lm_head is None:
         ignored = [k for k in ignored if k != "lm_head.weight"]
     if ignored:
         raise ValueError(f"checkpoint tensors not used by the model (wrong architecture?): {ignored[:5]}")
+
+
+def _put(param: torch.Tensor | None, value: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter of the same shape."""
+    assert param is not None
+    if param.shape != value.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(value.shape)} vs model {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def _load_layer(layer: Layer, p: str, get: Callable[[str], torch.Tensor]) -> None:
+    """Fill one layer from HF's `model.layers.{i}.` tensors: q/k/v and gate/up fused in that order."""
+    a, m = p + "self_attn.", p + "mlp."
+    _put(layer.attn_norm, get(p + "input_layernorm.weight"))
+    _put(layer.mlp_norm, get(p + "post_attention_layernorm.weight"))
+    _put(layer.qkv, torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]))
+    if layer.qkv_bias is not None:
+        _put(layer.qkv_bias, torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]))
+    _put(layer.o, get(a + "o_proj.weight"))
+    if layer.o_bias is not None:
+        _put(layer.o_bias, get(a + "o_proj.bias"))
+    if layer.q_norm is not None:
+        _put(layer.q_norm, get(a + "q_norm.weight"))
+        _put(layer.k_norm, get(a + "k_norm.weight"))
+    _put(layer.gate_up, torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+    if layer.gate_up_bias is not None:
+        _put(layer.gate_up_bias, torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")]))
+    _put(layer.down, get(m + "down_proj.weight"))
+    if layer.down_bias is not None:
+        _put(layer.down_bias, get(m + "down_proj.bias"))
