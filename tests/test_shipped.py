@@ -50,3 +50,38 @@ def test_drafters_list_names_every_shipped_drafter(capsys):
     assert main(["drafters", "list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in shipped_names())
+
+
+def test_shipped_drafters_record_their_method_and_target():
+    from verispec.drafters.shipped import shipped_card, shipped_for
+    from verispec.models.hub import DEFAULT_MODEL
+
+    assert shipped_names(), "the package ships trained drafters"
+    for name in shipped_names():
+        method = name.rsplit("-", 1)[-1]
+        assert shipped_card(name) == (method, DEFAULT_MODEL)
+        assert shipped_for(method, DEFAULT_MODEL.upper()) == name
+        assert shipped_for(method, "some-other-model") is None
+
+
+def test_learned_method_alone_on_another_model_asks_for_a_drafter(tiny_dir):
+    from verispec import LLM
+
+    with pytest.raises(ValueError, match="--draft-model"):
+        LLM(str(tiny_dir), dtype="float32", device="cpu", progress=False, speculative_config={"method": "eagle3"})
+
+
+@pytest.mark.slow
+def test_learned_method_alone_picks_the_shipped_drafter_on_the_default_model():
+    from verispec import LLM, SamplingParams
+    from verispec.config import LEARNED_METHODS
+    from verispec.models.hub import DEFAULT_MODEL
+
+    plain = LLM(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=1, progress=False)
+    prompt, params = {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = plain.generate(prompt, params, use_tqdm=False)[0].token_ids
+    for method in LEARNED_METHODS:
+        fast = plain.with_speculation({"method": method, "num_speculative_tokens": 3, "adaptive": False})
+        assert fast.spec.model == f"{DEFAULT_MODEL}-{method}"
+        out = fast.generate(prompt, params, use_tqdm=False)[0]
+        assert out.stats["method"] == method and out.token_ids == ref

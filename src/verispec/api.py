@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
 from verispec.check.state import check_kv
-from verispec.config import SpeculativeConfig
+from verispec.config import LEARNED_METHODS, SpeculativeConfig
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.drafters.features import target_features
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.scheduler import make_policy
+from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import load_model, load_tokenizer
 from verispec.state.request import Request
 from verispec.execution.sampling import SamplingParams
-from verispec.engine.costs import CostTable, StepCosts
+from verispec.engine.costs import StepCosts
 from verispec.execution.profile import profile_costs, profile_step_costs
 from verispec.execution.verify import AcceptanceConfig
 
@@ -93,10 +94,37 @@ class LLM:
         self._set_speculation(speculative_config)
 
     def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
-        self.spec = SpeculativeConfig.from_dict(speculative_config)
+        self.spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
         self.rule = AcceptanceConfig(self.spec.acceptance_rule, self.spec.threshold_single, self.spec.threshold_acc)
         self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len, self.max_num_seqs)
         self._engine = None
+
+    def _with_shipped_drafter(self, spec: Any) -> Any:
+        """A learned method (eagle3 / dflash / dspark) given without a drafter gets the shipped drafter trained for
+        this target; for any other target that is an error asking for --draft-model."""
+        if not isinstance(spec, Mapping) or spec.get("method") not in LEARNED_METHODS or spec.get("model"):
+            return spec
+        from verispec.drafters.shipped import shipped_card, shipped_for, shipped_names
+
+        method = spec["method"]
+        target = self.known_model_name
+        name = shipped_for(method, target) if target is not None else None
+        if name is None:
+            shipped = [f"{n} (for {shipped_card(n)[1]})" for n in shipped_names() if shipped_card(n)[0] == method]
+            raise ValueError(
+                f"method {method} needs a trained drafter, and none is shipped for {self.resolved.name}: pass its "
+                f"checkpoint directory with --draft-model DIR (speculative_config['model']); train one with "
+                f"`verispec train`. Shipped {method} drafters: {', '.join(shipped) or '(none)'}")
+        return {**spec, "model": name}
+
+    @property
+    def known_model_name(self) -> str | None:
+        """The registry name (models/hub.py) of the target, when it is a known model (by name, alias or file)."""
+        known = hub.lookup_known(self.resolved.name)
+        if known is None and self.resolved.gguf is not None:
+            gguf = self.resolved.gguf.resolve()
+            known = next((m for m in hub.REGISTRY.values() if hub.model_path(m).resolve() == gguf), None)
+        return known.name if known is not None else None
 
     def with_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None,
                          check_state: bool | None = None) -> "LLM":
@@ -167,7 +195,7 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = [int(t) for t in prompt["prompt_token_ids"]]
-                self._check_ids(ids)
+                self.check_prompt_ids(ids)
                 return prompt.get("prompt"), ids
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
@@ -182,11 +210,12 @@ class LLM:
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
-            self._check_ids(ids)
+            self.check_prompt_ids(ids)
             return None, ids
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def _check_ids(self, ids: list[int]) -> None:
+    def check_prompt_ids(self, ids: Sequence[int]) -> None:
+        """Raise ValueError unless every id is in the target's vocabulary (safe from any thread)."""
         vocab = self.model.cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -257,14 +286,16 @@ class LLM:
         return self.generate(encoded, sampling_params, use_tqdm, on_tokens)
 
     def _state_check(self, req: Request, drafter) -> None:
-        check_kv(self.model, self.cache, req.slot, req.all_ids[: req.num_computed], "target")
+        """The state oracle (check_state=True), after every step: the target's KV, then the drafter's own state
+        through its protocol (drafters/base.py)."""
+        tokens = req.all_ids[: req.num_computed]
+        check_kv(self.model, self.cache, req.slot, tokens, "target")
         if needs_features(drafter):
-            tokens = req.all_ids[: req.num_computed]
             ref, _ = target_features(self.model, tokens, drafter.feature_layers)
             drafter.check_state(ref, tokens)
-        if hasattr(drafter, "committed_prefix"):
-            n = drafter.committed_prefix()
-            check_kv(drafter.model, drafter.cache, drafter.slot, req.all_ids[:n], "draft model")
+        check_own_state = getattr(drafter, "check_own_state", None)
+        if check_own_state is not None:
+            check_own_state(tokens)
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
         stats = req.stats.as_dict()

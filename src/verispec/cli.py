@@ -1,4 +1,5 @@
-"""The `verispec` command line: models, generate, demo."""
+"""The `verispec` command line: models (pull / list), generate, serve, bench (single / sweep), demo, train,
+drafters (list)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
+from verispec.config import SPEC_METHODS
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -22,13 +24,13 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="none",
-                   choices=["none", "ngram", "suffix", "draft_model", "eagle3", "dflash", "dspark"],
+    p.add_argument("--method", default="none", choices=SPEC_METHODS,
                    help="speculative drafter (default: none = plain decoding)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="max draft tokens per step")
     p.add_argument("--draft-model", default=None,
                    help="draft model (--method draft_model) or trained drafter directory / shipped name "
-                        "(--method eagle3 | dflash | dspark; see `verispec drafters list`)")
+                        "(--method eagle3 | dflash | dspark; see `verispec drafters list`; without it, the shipped "
+                        "drafter trained for --model, if there is one)")
     p.add_argument("--speculative-config", default=None, help="JSON dict, vLLM's speculative_config")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens instead of adapting k")
     p.add_argument("--check-state", action="store_true",
@@ -254,27 +256,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
               speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
               scheduler=args.scheduler)
-    engine = BackgroundEngine(llm, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
-                              max_waiting=args.max_waiting)
+    engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
     app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from verispec.bench.sweep import add_sweep_args, run_sweep
+    from verispec.bench.sweep import run_sweep, sweep_options
 
     if args.bench_command == "sweep":
         return run_sweep(args)
     if args.endpoint:  # single stream against a server: a sweep at concurrency 1 over the same workloads
-        sweep = argparse.ArgumentParser()
-        add_sweep_args(sweep)
-        argv = ["--endpoint", args.endpoint, "--concurrency", "1", "--workloads", args.workloads,
-                "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats), "--out", args.out,
-                "--requests-per-level", str(args.limit * len(args.workloads.split(",")))]
-        if args.baseline_endpoint:
-            argv += ["--baseline-endpoint", args.baseline_endpoint]
-        return run_sweep(sweep.parse_args(argv))
+        return run_sweep(sweep_options(
+            endpoint=args.endpoint, baseline_endpoint=args.baseline_endpoint, concurrency=[1],
+            workloads=args.workloads, max_tokens=args.max_tokens, repeats=args.repeats, out=args.out,
+            requests_per_level=args.limit * len(args.workloads.split(","))))
     from verispec.bench.single import run_single_cli
 
     return run_single_cli(args)

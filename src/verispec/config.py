@@ -122,8 +122,11 @@ class ModelConfig:
         )
 
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft_model", "eagle3", "dflash", "dspark")
+# Every speculative method, defined here once: SpeculativeConfig, the drafter registry (drafters/__init__.py), the
+# CLI's --method choices and `bench single` read these.
+MODEL_FREE_METHODS = ("ngram", "suffix")  # drafting from the request's own tokens (and earlier outputs)
 LEARNED_METHODS = ("eagle3", "dflash", "dspark")  # trained heads reading the target's hidden states
+SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS)
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,8 @@ class SpeculativeConfig:
             raise ValueError("method draft_model needs a draft model: speculative_config['model'] / --draft-model")
         if self.method in LEARNED_METHODS and not self.model:
             raise ValueError(f"method {self.method} needs a trained drafter: speculative_config['model'] = its "
-                             f"directory (--draft-model), or a shipped one (`verispec drafters list`)")
+                             f"directory (--draft-model), or a shipped one (`verispec drafters list`; picked by "
+                             f"itself when the target is the model it was trained for)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -13,6 +13,7 @@ import sys
 from verispec.bench.report import markdown_table, write_report
 from verispec.bench.single import run_single
 from verispec.bench.workloads import WORKLOADS
+from verispec.config import MODEL_FREE_METHODS
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -21,7 +22,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"verispec demo: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
               max_num_seqs=1)
-    rep = run_single(model=args.model, methods=("ngram", "suffix"), workloads=WORKLOADS, limit=1, repeats=1,
+    rep = run_single(model=args.model, methods=MODEL_FREE_METHODS, workloads=WORKLOADS, limit=1, repeats=1,
                      max_tokens=args.max_tokens, llm=llm)
     paths = write_report(rep, args.out)
     print()

@@ -23,22 +23,27 @@ from tqdm.auto import tqdm
 from verispec.bench.report import Report, Table, median, write_report
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import common_prefix_fraction, compare_greedy
+from verispec.config import LEARNED_METHODS, MODEL_FREE_METHODS
+from verispec.models.hub import DEFAULT_MODEL
 
-SPLIT = ("draft_s", "verify_s", "sched_s", "state_s")
+SPLIT = ("draft_s", "forward_s", "verify_s", "sched_s", "state_s")
 
 
 def method_spec(name: str, k: int) -> dict[str, Any] | None:
-    """'none', 'ngram', 'suffix', 'draft_model:PATH' or 'eagle3|dflash|dspark:PATH_OR_NAME' -> a speculative_config."""
+    """'none', 'ngram', 'suffix', 'draft_model:PATH' or 'eagle3|dflash|dspark[:PATH_OR_NAME]' -> a
+    speculative_config (a learned method without a path: the shipped drafter trained for the target)."""
     if name == "none":
         return None
-    if name in ("ngram", "suffix"):
+    if name in MODEL_FREE_METHODS:
         return {"method": name, "num_speculative_tokens": k}
     if name.startswith("draft_model:"):
         return {"method": "draft_model", "model": name.split(":", 1)[1], "num_speculative_tokens": min(k, 4)}
     method, _, path = name.partition(":")
-    if method in ("eagle3", "dflash", "dspark") and path:
-        return {"method": method, "model": path, "num_speculative_tokens": k}
-    raise ValueError(f"unknown method {name!r}: use ngram, suffix, draft_model:PATH or eagle3|dflash|dspark:PATH")
+    if method in LEARNED_METHODS:
+        return {"method": method, "num_speculative_tokens": k, **({"model": path} if path else {})}
+    learned = "|".join(LEARNED_METHODS)
+    raise ValueError(f"unknown method {name!r}: use {', '.join(MODEL_FREE_METHODS)}, draft_model:PATH or "
+                     f"{learned}[:PATH]")
 
 
 def drafter_bytes(llm) -> int:
@@ -61,7 +66,7 @@ def traced_peak(llm, ids, params) -> int:
         tracemalloc.stop()
 
 
-def run_single(model: str = "SmolLM2-135M-Instruct", dtype: str = "float32", methods=("ngram", "suffix"),
+def run_single(model: str = DEFAULT_MODEL, dtype: str = "float32", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
                device: str = "cpu", progress: bool = True, llm=None) -> Report:
     from verispec import LLM, SamplingParams
@@ -139,7 +144,7 @@ def build_report(records, engines, mem, rss, *, dtype, model, repeats, limit) ->
             "TTFT s": median([x["ttft_s"] for x in xs]), "E2E s": median([x["e2e_s"] for x in xs]),
             "tau": median([x["tau"] for x in xs]),
             "accept@1..4": " ".join(f"{p:.2f}" for p in pos) or "-",
-            "draft/verify/sched/state %": " / ".join(f"{100 * split[kk] / tot:.0f}" for kk in SPLIT),
+            "draft/forward/verify/sched/state %": " / ".join(f"{100 * split[kk] / tot:.0f}" for kk in SPLIT),
             "exact match": f"{100 * sum(x['identical'] for x in xs) / len(xs):.0f}%",
             "near-tie": sum(x["near_tie"] for x in xs),
             "common prefix %": median([x["common_prefix_pct"] for x in xs]),
@@ -207,7 +212,9 @@ def figures(rows, records) -> dict[str, Any]:
 
 
 def add_single_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", default="ngram,suffix", help="comma list: ngram, suffix, draft_model:PATH")
+    p.add_argument("--methods", default="ngram,suffix",
+                   help="comma list: ngram, suffix, draft_model:PATH, eagle3|dflash|dspark[:PATH] (without a "
+                        "path: the shipped drafter for --model)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="shipped names or .jsonl paths, comma list")
     p.add_argument("--limit", type=int, default=2, help="prompts per workload")
     p.add_argument("--repeats", type=int, default=1)

@@ -25,12 +25,12 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from verispec.bench.report import write_report
 from verispec.bench.sweep_report import build_report, mark_identity, summarize
+from verispec.bench.sweep_types import Level, LevelResult
 
 DEFAULT_CONCURRENCY = "1,8,32,64,128"
 
@@ -107,18 +107,19 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def sweep_options(**values: Any) -> argparse.Namespace:
+    """The options of `verispec bench sweep` (see `add_sweep_args`) as parsed values: each option's default,
+    overridden by `values` (keyword = the option's destination, e.g. concurrency=[1], baseline_endpoint=URL)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_sweep_args(parser)
+    options = {a.dest: a.default for a in parser._actions}
+    unknown = set(values) - set(options)
+    if unknown:
+        raise TypeError(f"unknown sweep options {sorted(unknown)}")
+    return argparse.Namespace(**{**options, **values})
+
+
 # ---- levels and prompts ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Level:
-    mode: str  # "concurrency" | "rate"
-    value: float
-    requests: int
-
-    @property
-    def name(self) -> str:
-        return f"c={int(self.value)}" if self.mode == "concurrency" else f"rate={self.value:g}/s"
-
-
 def plan_levels(concurrency: Sequence[int] | None, rates: Sequence[float] | None,
                 requests_per_level: int | None) -> list[Level]:
     if not concurrency and not rates:
@@ -160,17 +161,6 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
 
 
 # ---- one level ---------------------------------------------------------------------------------------------
-@dataclass
-class LevelResult:
-    endpoint: str
-    level: Level
-    repeat: int
-    records: list[Any]
-    duration_s: float
-    spec: dict[str, Any] = field(default_factory=dict)
-    max_in_flight: int = 0
-
-
 async def _scrape_settled(http: Any, url: str, timeout: float, settle_s: float = 5.0) -> Any:
     """A /metrics snapshot taken once the server reports nothing running or waiting (where it says so), so
     that the counters include the last step of the level's last request."""

@@ -8,12 +8,10 @@ import argparse
 import math
 import statistics
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from verispec.bench.report import Report, Table, median, percentile
-
-if TYPE_CHECKING:
-    from verispec.bench.sweep import Level, LevelResult
+from verispec.bench.sweep_types import Level, LevelResult
 
 PCTS = (50, 95, 99)
 

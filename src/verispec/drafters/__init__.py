@@ -1,8 +1,15 @@
-"""Drafters behind one protocol (base.Draft / base.Drafter), created per request by a DrafterFactory."""
+"""Drafters behind one protocol (base.Draft / base.Drafter), created per request by a DrafterFactory.
+
+`DRAFTERS` maps every speculative method (config.SPEC_METHODS) to the constructor of its per-request drafter, and
+`LEARNED_LOADERS` every learned method (config.LEARNED_METHODS) to the loader of its trained module; an unknown
+method is a ValueError naming the known ones.
+"""
 
 from __future__ import annotations
 
-from verispec.config import LEARNED_METHODS, SpeculativeConfig
+from typing import Any, Callable
+
+from verispec.config import LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
 from verispec.drafters.base import Drafter
 from verispec.execution.sampling import SamplingParams
 
@@ -12,6 +19,8 @@ class DrafterFactory:
 
     def __init__(self, cfg: SpeculativeConfig, target=None, target_tokenizer=None, max_len: int = 4096,
                  num_slots: int = 1) -> None:
+        if cfg.method not in DRAFTERS:
+            raise ValueError(_unknown(cfg.method, DRAFTERS))
         self.cfg = cfg
         self.draft_model = None
         self.draft_cache = None
@@ -46,44 +55,96 @@ class DrafterFactory:
             self.suffix_cache = SuffixCache()
 
     def new(self, params: SamplingParams, prompt_len: int) -> Drafter | None:
-        m = self.cfg.method
-        if m == "none":
-            return None
-        if m == "ngram":
-            from verispec.drafters.ngram import NgramConfig, NgramDrafter
+        """The drafter of one request (None for method none)."""
+        make = DRAFTERS.get(self.cfg.method)
+        if make is None:
+            raise ValueError(_unknown(self.cfg.method, DRAFTERS))
+        return make(self, params, prompt_len)
 
-            return NgramDrafter(NgramConfig(self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min))
-        if m == "suffix":
-            from verispec.drafters.suffix import SuffixDrafter
 
-            return SuffixDrafter(self.suffix_cache, prompt_len=prompt_len)
-        if m == "eagle3":
-            from verispec.drafters.eagle3 import Eagle3Drafter
+# ---- the registries ------------------------------------------------------------------------------------------
+def _unknown(method: str, known: dict[str, Any]) -> str:
+    return f"unknown speculative method {method!r}; known methods: {', '.join(known)}"
 
-            return Eagle3Drafter(self.learned, params, self.max_len)  # type: ignore[arg-type]
-        if m in ("dflash", "dspark"):
-            from verispec.drafters.dflash import DFlashDrafter
 
-            return DFlashDrafter(self.learned, params)  # type: ignore[arg-type]
-        from verispec.drafters.draft_model import DraftModelDrafter
+def _no_drafter(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> None:
+    return None
 
-        return DraftModelDrafter(self.draft_model, self.draft_cache, params)
+
+def _ngram(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.ngram import NgramConfig, NgramDrafter
+
+    return NgramDrafter(NgramConfig(f.cfg.prompt_lookup_max, f.cfg.prompt_lookup_min))
+
+
+def _suffix(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(f.suffix_cache, prompt_len=prompt_len)
+
+
+def _draft_model(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(f.draft_model, f.draft_cache, params)  # type: ignore[arg-type]
+
+
+def _eagle3(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(f.learned, params, f.max_len)  # type: ignore[arg-type]
+
+
+def _block(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.dflash import DFlashDrafter
+
+    return DFlashDrafter(f.learned, params)  # type: ignore[arg-type]
+
+
+# method -> the per-request drafter (or None: plain decoding)
+DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | None]] = {
+    "none": _no_drafter,
+    "ngram": _ngram,
+    "suffix": _suffix,
+    "draft_model": _draft_model,
+    "eagle3": _eagle3,
+    "dflash": _block,
+    "dspark": _block,  # DFlash's block drafter with DSpark's Markov and confidence heads
+}
+assert tuple(DRAFTERS) == SPEC_METHODS, "every speculative method needs a drafter constructor"
+
+
+def _load_eagle3(method: str, directory, target, path: str):
+    from verispec.drafters.eagle3 import load
+
+    return load(directory, target)
+
+
+def _load_block(method: str, directory, target, path: str):
+    from verispec.drafters.dflash import load
+
+    model = load(directory, target)
+    is_dspark = bool(getattr(model.cfg, "dspark", False))
+    if is_dspark != (method == "dspark"):
+        raise ValueError(f"{path} holds a {'DSpark' if is_dspark else 'DFlash'} drafter; use --method "
+                         f"{'dspark' if is_dspark else 'dflash'}")
+    return model
+
+
+# learned method -> the loader of its trained module (method, checkpoint directory, target, what the user gave)
+LEARNED_LOADERS: dict[str, Callable[..., Any]] = {
+    "eagle3": _load_eagle3,
+    "dflash": _load_block,
+    "dspark": _load_block,
+}
+assert tuple(LEARNED_LOADERS) == LEARNED_METHODS, "every learned method needs a loader"
 
 
 def load_learned(method: str, path: str, target):
     """Load a trained drafter (a directory, or a shipped drafter's name) for `target`; checks the method matches."""
     from verispec.drafters.shipped import resolve
 
-    directory = resolve(path)
-    if method == "eagle3":
-        from verispec.drafters.eagle3 import load
-
-        return load(directory, target)
-    from verispec.drafters.dflash import load as load_block
-
-    model = load_block(directory, target)
-    is_dspark = bool(getattr(model.cfg, "dspark", False))
-    if is_dspark != (method == "dspark"):
-        raise ValueError(f"{path} holds a {'DSpark' if is_dspark else 'DFlash'} drafter; use --method "
-                         f"{'dspark' if is_dspark else 'dflash'}")
-    return model
+    loader = LEARNED_LOADERS.get(method)
+    if loader is None:
+        raise ValueError(f"{method!r} is not a learned drafter method; known: {', '.join(LEARNED_LOADERS)}")
+    return loader(method, resolve(path), target, path)

@@ -1,11 +1,17 @@
 """The narrow drafter protocol: propose a draft for one request, then hear how much of it survived.
 
-A drafter is created per request (`Drafter.for_request`) or shared, and sees only token ids and its own config.
+A drafter is created per request by `DrafterFactory.new(params, prompt_len)` (drafters/__init__.py), from what
+the factory shares across requests (a draft model and its KV cache, the suffix cache), and sees only token ids and
+its own config.
   propose(context, k)  -> Draft: up to k tokens that should follow `context` (the committed tokens plus the
                           pending last token); optional q (the draft distributions the tokens were sampled from)
                           and optional per-position confidences.
   observe(accepted)    -> feedback after verification: how many of the proposed tokens the target accepted.
-Drafters with state of their own (a draft model's KV cache) keep it consistent in observe().
+  release()            -> once, when the request ends: free per-request resources (KV slots).
+Drafters with state of their own (a draft model's KV cache) keep it consistent in observe(), and may offer
+  check_own_state(tokens) -> state oracle (`--check-state`): tokens = the committed tokens; recompute the
+                          drafter's own state from scratch and raise AssertionError (check.state.StateMismatch)
+                          if it disagrees.
 
 Learned drafters (EAGLE-3, DFlash, DSpark) also read the target's hidden states: a `FeatureDrafter` names the
 target layers it needs, and the engine hands it the features of every committed position, once, in order:

@@ -42,10 +42,7 @@ class DFlashDrafter:
         self.n = 0  # committed positions whose context K/V is cached
         self._k: list[torch.Tensor] = []  # per layer [cap, K, hd]
         self._v: list[torch.Tensor] = []
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=self.device)
-            self.generator.manual_seed(params.seed + 1 if params.seed is not None else torch.seed())
+        self.generator = None if params.greedy else params.make_generator(self.device, stream="dflash")
         self.released = False
 
     # ---- state -------------------------------------------------------------------------------------------
@@ -127,7 +124,7 @@ class DFlashDrafter:
         assert self.n == n, (f"{self.name}: holds features for {self.n} positions but the context of "
                              f"{len(context)} tokens needs exactly {n} (add_features must follow every commit)")
         B = self.cfg.block_size
-        if k <= 0 or n < 0 or n + B > self.model.parts.rope_cos.shape[0]:
+        if k <= 0 or n < 0 or n + B > self.model.parts.max_positions:
             return EMPTY
         g = min(k, B - 1)
         h, U = self.block(int(context[-1]), n)  # [B, d], [B - 1, V]

@@ -94,6 +94,11 @@ class TargetParts:
         return cls(target.embed.detach().to(dt), target.output_weight().detach().to(dt), target.rope_cos,
                    target.rope_sin)
 
+    @property
+    def max_positions(self) -> int:
+        """How many positions the target's RoPE tables cover (the target's `LlamaModel.max_positions`)."""
+        return self.rope_cos.shape[0]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -175,7 +180,7 @@ class DFlashModel(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [n] -> cos, sin: [n, 1, hd] in the model's dtype."""
-        if int(positions.max()) >= self.parts.rope_cos.shape[0]:
+        if int(positions.max()) >= self.parts.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the target's RoPE table")
         dt = self.dtype
         return self.parts.rope_cos[positions].to(dt).unsqueeze(1), self.parts.rope_sin[positions].to(dt).unsqueeze(1)

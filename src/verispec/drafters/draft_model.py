@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft
 from verispec.state.kv_cache import KVCache
 from verispec.models.llama import LlamaModel, Segment
@@ -41,10 +42,7 @@ class DraftModelDrafter:
         self.model, self.cache, self.params = model, cache, params
         self.slot = cache.allocate()
         self.n_cached = 0
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=model.device)
-            self.generator.manual_seed(params.seed + 1 if params.seed is not None else torch.seed())
+        self.generator = None if params.greedy else params.make_generator(model.device, stream="draft_model")
         self._ctx_len = 0
         self._fed_drafts = 0
 
@@ -86,8 +84,13 @@ class DraftModelDrafter:
         self.n_cached = keep
         self._fed_drafts = 0
 
-    def committed_prefix(self) -> int:
-        return self.n_cached
+    def check_own_state(self, tokens: Sequence[int]) -> None:
+        """State oracle (see base.py): the draft cache must hold exactly a from-scratch forward of the draft model
+        over tokens[:n_cached], tokens being the request's committed tokens."""
+        if self.n_cached > len(tokens):
+            raise StateMismatch(f"draft model: the cache holds {self.n_cached} positions, ahead of the request's "
+                                f"{len(tokens)} committed tokens")
+        check_kv(self.model, self.cache, self.slot, tokens[: self.n_cached], "draft model")
 
     def release(self) -> None:
         self.cache.free(self.slot)

@@ -28,7 +28,7 @@ from torch import nn
 
 from verispec.drafters.base import Draft
 from verispec.models.llama import LlamaModel
-from verispec.models.llama import _rms_norm as rms
+from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
 from verispec.execution.sampling import SamplingParams, target_probs
 
@@ -100,7 +100,7 @@ class Eagle3Head(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._target[0]
-        if int(positions.max()) >= t.rope_cos.shape[0]:
+        if int(positions.max()) >= t.max_positions:
             raise ValueError("position beyond the target's RoPE table")
         dt = self.fc.weight.dtype
         return t.rope_cos[positions].to(dt).unsqueeze(1), t.rope_sin[positions].to(dt).unsqueeze(1)  # [n, 1, hd]
@@ -193,10 +193,7 @@ class Eagle3Drafter:
         self.k = torch.empty(max_len + 1, c.num_kv_heads, c.head_dim, device=dev, dtype=dt)
         self.v = torch.empty_like(self.k)
         self.n_kv = 0  # head K/V written for positions 0 .. n_kv-1 (committed)
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=dev)
-            self.generator.manual_seed(params.seed + 2 if params.seed is not None else torch.seed())
+        self.generator = None if params.greedy else params.make_generator(dev, stream="eagle3")
 
     @property
     def n_feat(self) -> int:

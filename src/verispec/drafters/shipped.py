@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
+
+from verispec.config import LEARNED_METHODS
 
 SHIPPED_DIR = "shipped"  # package data: verispec/drafters/shipped/<name>/{config.json,model.safetensors,README.md}
 
@@ -28,3 +31,21 @@ def resolve(name_or_path: str) -> Path:
     raise FileNotFoundError(
         f"no trained drafter at {name_or_path!r}: pass a checkpoint directory (from `verispec train ...`) or one of "
         f"the shipped drafters {shipped_names() or '(none installed)'}")
+
+
+def shipped_card(name: str) -> tuple[str | None, str]:
+    """(method, target model) of a shipped drafter: from its config.json where it records them (`model_type`
+    dflash / dspark, `target`), else from its name, `<target>-<method>`. The method is None when neither says."""
+    cfg = json.loads((shipped_root() / name / "config.json").read_text())
+    stem, _, suffix = name.rpartition("-")
+    method = cfg.get("model_type") if cfg.get("model_type") in LEARNED_METHODS else suffix
+    return (method if method in LEARNED_METHODS else None), str(cfg.get("target") or stem)
+
+
+def shipped_for(method: str, target: str) -> str | None:
+    """The shipped drafter of `method` trained for `target` (a known model's name, any case), or None."""
+    for name in shipped_names():
+        m, t = shipped_card(name)
+        if m == method and t.lower() == target.lower():
+            return name
+    return None

@@ -3,6 +3,9 @@
 The worker owns the Engine: only it steps, adds and aborts. Other threads hand it work through a locked
 inbox, and get tokens back as TokenEvents on an asyncio queue (or a plain queue when there is no loop).
 An exception inside a step finishes every request then in flight with an error event; the worker goes on.
+
+Built from an `Engine` (configured beforehand: batch size, scheduler) and a validator of prompt token ids, called
+on the submitting thread (e.g. `LLM.check_prompt_ids`): `BackgroundEngine(llm.engine, llm.check_prompt_ids)`.
 """
 
 from __future__ import annotations
@@ -12,15 +15,19 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
-from verispec.engine.core import RequestTooLong
+from verispec.engine.core import Engine, RequestTooLong
 from verispec.state.request import Request
 from verispec.execution.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BackgroundEngine", "EngineOverloaded", "EngineSnapshot", "RequestStream", "RequestTooLong", "TokenEvent"]
+__all__ = ["BackgroundEngine", "EngineOverloaded", "EngineSnapshot", "PromptValidator", "RequestStream",
+           "RequestTooLong", "TokenEvent"]
+
+# raises ValueError for prompt token ids the model cannot take; must be safe to call from any thread
+PromptValidator = Callable[[Sequence[int]], None]
 
 
 class EngineOverloaded(RuntimeError):
@@ -105,10 +112,9 @@ class RequestStream:
 
 
 class BackgroundEngine:
-    def __init__(self, llm: Any, scheduler: str | None = None, max_num_seqs: int | None = None,
-                 max_waiting: int = 256, idle_wait_s: float = 0.02) -> None:
-        llm.configure_engine(max_num_seqs=max_num_seqs, scheduler=scheduler)
-        self.llm, self.engine = llm, llm.engine
+    def __init__(self, engine: Engine, validate: PromptValidator, max_waiting: int = 256,
+                 idle_wait_s: float = 0.02) -> None:
+        self.engine, self.validate = engine, validate
         self.max_waiting = max_waiting
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
@@ -118,7 +124,6 @@ class BackgroundEngine:
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._last_error = ""
         self._snapshot = EngineSnapshot(0, 0, 0.0, 0, 0, 0, 0)
         self._publish()
 
@@ -141,7 +146,7 @@ class BackgroundEngine:
 
     # ---- from any thread --------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        self.llm._check_ids(prompt_ids)
+        self.validate(prompt_ids)
         req = Request(list(prompt_ids), params) if request_id is None else Request(list(prompt_ids), params, request_id)
         self.engine.check_fits(req)
         with self._lock:
@@ -185,7 +190,7 @@ class BackgroundEngine:
         if stream is None:
             return
         reason = req.finish_reason
-        stream._push(TokenEvent(list(tokens), reason, self._last_error if reason == "error" else None))
+        stream._push(TokenEvent(list(tokens), reason, req.error if reason == "error" else None))
         if reason is not None:
             with self._lock:
                 self._streams.pop(req.request_id, None)
@@ -211,9 +216,7 @@ class BackgroundEngine:
                 self.engine.step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 log.exception("engine step failed")
-                self._last_error = f"internal error while generating: {type(exc).__name__}: {exc}"
-                self.engine.fail_all(self._last_error)
+                self.engine.fail_all(f"internal error while generating: {type(exc).__name__}: {exc}")
             self._publish()
-        self._last_error = "the server is shutting down"
-        self.engine.fail_all(self._last_error)
+        self.engine.fail_all("the server is shutting down")
         self._publish()

@@ -1,4 +1,5 @@
-"""Sampling parameters (vLLM's names) and the pure functions that turn logits into tokens.
+"""Sampling parameters (vLLM's names), the seeded generators of a request's random streams, and the pure function
+that turns logits into the distribution tokens are drawn from.
 
 The same `target_probs` is used by plain decoding and, later, by speculative verification, so both sample from
 exactly the same processed distribution (temperature, then top-k, then top-p).
@@ -42,13 +43,23 @@ class SamplingParams:
         """Temperatures below 1e-5 are greedy (as in vLLM): dividing logits by them overflows to NaN."""
         return self.temperature < GREEDY_EPS
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+    def make_generator(self, device: torch.device | str = "cpu", stream: str = "target") -> torch.Generator:
+        """The generator of one of this request's random streams: seeded with seed + GENERATOR_STREAMS[stream]
+        (so seeded outputs are reproducible and a drafter never consumes the target's draws), random when
+        seed is None."""
+        if stream not in GENERATOR_STREAMS:
+            raise ValueError(f"unknown generator stream {stream!r}; known: {', '.join(GENERATOR_STREAMS)}")
         g = torch.Generator(device=device)
         if self.seed is None:
             g.seed()
         else:
-            g.manual_seed(self.seed)
+            g.manual_seed(self.seed + GENERATOR_STREAMS[stream])
         return g
+
+
+# The offset of each sampler's stream from the request's seed: the target's sampler and verifier, and each drafter
+# that samples (DSpark uses DFlash's drafter). Fixed: changing one changes every seeded sampled output.
+GENERATOR_STREAMS = {"target": 0, "draft_model": 1, "dflash": 1, "eagle3": 2}
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -70,16 +81,3 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x.softmax(-1)
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """probs: [M, V] -> tokens [M] drawn with the request's own generator (reproducible per seed)."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [M, V] -> tokens [M]; greedy fast path at temperature 0."""
-    if params.greedy:
-        return logits.argmax(-1)
-    assert generator is not None
-    return sample_from(target_probs(logits, params.temperature, params.top_k, params.top_p), generator)

@@ -14,7 +14,7 @@ import math
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -28,11 +28,15 @@ from verispec.server.protocol import (SSE_DONE, APIError, IncrementalText, Parse
                                       ServedModel, bad_request, error_body, parse_chat, parse_completion,
                                       parse_json, sse)
 
+if TYPE_CHECKING:
+    from verispec.api import LLM
+    from verispec.engine.background import BackgroundEngine
+
 log = logging.getLogger("verispec.server")
 OPEN_PATHS = frozenset({"/health"})
 
 
-def served_model(llm: Any, name: str | None = None) -> ServedModel:
+def served_model(llm: LLM, name: str | None = None) -> ServedModel:
     """The id shown by /v1/models (`name`, else what --model said) and the other names that reach it."""
     from verispec.models import hub
 
@@ -112,9 +116,11 @@ class Run:
             self.record.finish("abort")
 
 
-def create_app(llm: Any, engine: Any, *, model_name: str | None = None, api_key: str | None = None,
+def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = None, api_key: str | None = None,
                manage_engine: bool = True) -> FastAPI:
-    """The app over `engine` (a BackgroundEngine of `llm`); `manage_engine` starts / shuts it down with the app."""
+    """The app over `engine`, a BackgroundEngine of `llm`'s engine (`BackgroundEngine(llm.engine,
+    llm.check_prompt_ids)`); `llm` parses prompts and decodes tokens. `manage_engine` starts / shuts the engine down
+    with the app."""
     from verispec.engine.background import EngineOverloaded, RequestTooLong
 
     served = served_model(llm, model_name)

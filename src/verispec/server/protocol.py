@@ -11,9 +11,12 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from verispec.execution.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.api import LLM
 
 # Below this temperature sampling is numerically the argmax anyway (and logits / T would overflow): treat as greedy.
 GREEDY_TEMPERATURE = 1e-5
@@ -219,7 +222,7 @@ def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key
         raise bad_request(str(e)) from None
 
 
-def _finish(kind: str, body: dict, llm: Any, ids: list[int], max_key: str, default_max: int | None) -> ParsedRequest:
+def _finish(kind: str, body: dict, llm: LLM, ids: list[int], max_key: str, default_max: int | None) -> ParsedRequest:
     prompt_key = "messages" if kind == "chat" else "prompt"
     if not ids:
         raise bad_request("The prompt is empty: it encodes to no tokens. Send at least one token.", prompt_key)
@@ -228,7 +231,7 @@ def _finish(kind: str, body: dict, llm: Any, ids: list[int], max_key: str, defau
     return ParsedRequest(kind, ids, params, stream, include_usage, _bool(body, "return_token_ids", False))
 
 
-def _prompt_ids(prompt: Any, llm: Any) -> list[int]:
+def _prompt_ids(prompt: Any, llm: LLM) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -242,7 +245,7 @@ def _prompt_ids(prompt: Any, llm: Any) -> list[int]:
     raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids.", "prompt")
 
 
-def parse_completion(body: dict, llm: Any, served: ServedModel) -> ParsedRequest:
+def parse_completion(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
     _check_keys(body, COMPLETION_KEYS)
     served.check(body.get("model"))
     if body.get("logprobs") is not None:
@@ -272,7 +275,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def parse_chat(body: dict, llm: Any, served: ServedModel) -> ParsedRequest:
+def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
     _check_keys(body, CHAT_KEYS)
     served.check(body.get("model"))
     if body.get("logprobs") not in (None, False):
