@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.test_server import hf, hf_greedy, tiny_dir, tok  # noqa: F401  (fixtures)
+from tests.helpers import hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.bench.report import Report, Table, percentile, write_report
 from verispec.bench.single import drafter_bytes, run_single
@@ -18,7 +18,7 @@ from verispec.bench.workloads import load_workload
 
 
 @pytest.fixture(scope="module")
-def report(tiny_dir, tmp_path_factory):  # noqa: F811
+def report(tiny_dir, tmp_path_factory):
     user = tmp_path_factory.mktemp("wl") / "mine.jsonl"
     user.write_text("\n".join(json.dumps({"id": f"u{i}", "prompt": p, "max_tokens": 10})
                               for i, p in enumerate(["a b c a b c a b", "1, 2, 3, 1, 2, 3,"])))
@@ -28,11 +28,11 @@ def report(tiny_dir, tmp_path_factory):  # noqa: F811
     return rep, llm
 
 
-def test_records_are_complete_and_outputs_match_hf(report, hf, tok):  # noqa: F811
+def test_records_are_complete_and_outputs_match_hf(report, hf, tok):
     rep, llm = report
     assert len(rep.records) == 2 * 2 * 2 * 3  # workloads x prompts x repeats x (plain + 2 methods)
     keys = {"workload", "prompt_id", "method", "ttft_s", "e2e_s", "tok_per_s", "ratio", "tau", "per_position_acceptance",
-            "draft_s", "verify_s", "sched_s", "state_s", "identical", "first_divergence", "common_prefix_pct"}
+            "draft_s", "forward_s", "verify_s", "sched_s", "state_s", "identical", "first_divergence", "common_prefix_pct"}
     for x in rep.records:
         assert keys <= set(x)
         assert 0 < x["ttft_s"] <= x["e2e_s"]
@@ -76,7 +76,7 @@ def test_percentiles_match_numpy(seed):
     assert np.isnan(percentile([], 50))
 
 
-def test_drafter_share_of_a_draft_model(tiny_dir):  # noqa: F811
+def test_drafter_share_of_a_draft_model(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", progress=False, max_num_seqs=1,
               speculative_config={"method": "draft_model", "model": str(tiny_dir)})
     hf_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_dir)).parameters())

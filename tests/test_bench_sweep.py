@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import live, make_app, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+from tests.helpers import live, make_app
 from verispec.bench.client import RequestRecord, finalize
 from verispec.bench.promscrape import parse_spec_metrics, spec_delta
 from verispec.bench.sweep import Level, LevelResult, add_sweep_args, poisson_arrivals, run_sweep
@@ -156,7 +156,7 @@ def test_finalize_and_summary_percentiles_by_hand() -> None:
 
 
 # ---- a live sweep -------------------------------------------------------------------------------------------
-def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     # the target as its own draft model: every step drafts (and, at fp32, nearly every draft token is accepted)
     app, engine = make_app(tiny_dir, speculative_config={"method": "draft_model", "model": str(tiny_dir),
                                                          "num_speculative_tokens": 3, "adaptive": False},

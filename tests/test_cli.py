@@ -15,8 +15,8 @@ PROMPT_IDS = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Llama saved as an HF directory, without tokenizer files."""
+def bare_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama saved as an HF directory, without tokenizer files (conftest's `tiny_dir` has them)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -37,8 +37,8 @@ def gen_argv(model: Path, *extra: str) -> list[str]:
     return ["generate", "--model", str(model), "--device", "cpu", "--prompt-token-ids", "1,2,3", *extra]
 
 
-def test_generate_json(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    res = run_json(capsys, gen_argv(tiny_dir, "--max-tokens", "5", "--json", "--ignore-eos"))
+def test_generate_json(bare_tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_json(capsys, gen_argv(bare_tiny_dir, "--max-tokens", "5", "--json", "--ignore-eos"))
     assert set(res) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "stats"}
     assert len(res["token_ids"]) == 5
     assert res["prompt_token_ids"] == PROMPT_IDS
@@ -48,11 +48,11 @@ def test_generate_json(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert res["stats"]["output_tokens"] == 5
 
 
-def test_greedy_matches_hf_generate(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_greedy_matches_hf_generate(bare_tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoModelForCausalLM
 
-    res = run_json(capsys, gen_argv(tiny_dir, "--max-tokens", "5", "--json", "--ignore-eos"))
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    res = run_json(capsys, gen_argv(bare_tiny_dir, "--max-tokens", "5", "--json", "--ignore-eos"))
+    hf = AutoModelForCausalLM.from_pretrained(bare_tiny_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # like --ignore-eos
     hf.generation_config.pad_token_id = 0
     with torch.no_grad():
@@ -61,28 +61,29 @@ def test_greedy_matches_hf_generate(tiny_dir: Path, capsys: pytest.CaptureFixtur
     assert res["token_ids"] == ref
 
 
-def test_seeded_sampling_is_reproducible(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = gen_argv(tiny_dir, "--max-tokens", "6", "--json", "--ignore-eos", "--temperature", "1.0", "--seed", "7")
+def test_seeded_sampling_is_reproducible(bare_tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = gen_argv(bare_tiny_dir, "--max-tokens", "6", "--json", "--ignore-eos", "--temperature", "1.0", "--seed", "7")
     assert run_json(capsys, argv)["token_ids"] == run_json(capsys, argv)["token_ids"]
 
 
-def test_streaming_without_tokenizer_prints_ids_and_stats(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(gen_argv(tiny_dir, "--max-tokens", "4", "--ignore-eos")) == 0
+def test_streaming_without_tokenizer_prints_ids_and_stats(bare_tiny_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(gen_argv(bare_tiny_dir, "--max-tokens", "4", "--ignore-eos")) == 0
     cap = capsys.readouterr()
     assert len(cap.out.split()) == 4 and all(t.isdigit() for t in cap.out.split())
     assert "-- 4 tokens, TTFT" in cap.err and "finish: length" in cap.err
 
 
-def test_string_prompt_without_tokenizer_is_an_error(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["generate", "hello", "--model", str(tiny_dir), "--device", "cpu"]) == 2
+def test_string_prompt_without_tokenizer_is_an_error(bare_tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "hello", "--model", str(bare_tiny_dir), "--device", "cpu"]) == 2
     cap = capsys.readouterr()
     assert cap.err.startswith("verispec: error: ")
     assert "prompt_token_ids" in cap.err
     assert "Traceback" not in cap.err and cap.out == ""
 
 
-def test_chat_without_template_is_an_error(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["generate", "hi", "--chat", "--model", str(tiny_dir), "--device", "cpu"]) == 2
+def test_chat_without_template_is_an_error(bare_tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "hi", "--chat", "--model", str(bare_tiny_dir), "--device", "cpu"]) == 2
     assert "chat template" in capsys.readouterr().err
 
 
@@ -98,9 +99,9 @@ def test_chat_without_template_is_an_error(tiny_dir: Path, capsys: pytest.Captur
         (["--system", "be brief"], "--system needs --chat"),
     ],
 )
-def test_bad_arguments_exit_2(tiny_dir: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+def test_bad_arguments_exit_2(bare_tiny_dir: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
                               needle: str) -> None:
-    assert cli.main(gen_argv(tiny_dir, *flags)) == 2
+    assert cli.main(gen_argv(bare_tiny_dir, *flags)) == 2
     cap = capsys.readouterr()
     assert cap.err.startswith("verispec: error: ") and needle in cap.err
     assert "Traceback" not in cap.err
@@ -111,7 +112,7 @@ def test_missing_model_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "config.json" in capsys.readouterr().err
 
 
-def test_messages_file(tiny_dir: Path, tmp_path: Path) -> None:
+def test_messages_file(bare_tiny_dir: Path, tmp_path: Path) -> None:
     f = tmp_path / "msgs.json"
     f.write_text(json.dumps([{"role": "user", "content": "hi"}]))
     args = cli.build_parser().parse_args(["generate", "--messages", f"@{f}", "--system", "S"])
@@ -183,3 +184,21 @@ def test_chat_on_default_model(capsys: pytest.CaptureFixture[str]) -> None:
     res = run_json(capsys, ["generate", "Say hi", "--chat", "--max-tokens", "8", "--json"])
     assert res["text"].strip()
     assert 1 <= len(res["token_ids"]) <= 8
+
+
+def test_learned_method_alone_on_another_model_asks_for_draft_model(bare_tiny_dir: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(gen_argv(bare_tiny_dir, "--method", "dflash", "--max-tokens", "2")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: ") and "--draft-model" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_learned_method_alone_uses_the_shipped_drafter_on_the_default_model(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--prompt-token-ids",
+            "1,2,3", "--max-tokens", "4", "--ignore-eos", "--json"]
+    res = run_json(capsys, [*argv, "--method", "eagle3", "--no-adaptive", "-k", "3"])
+    assert res["stats"]["method"] == "eagle3"
+    assert res["token_ids"] == run_json(capsys, argv)["token_ids"]

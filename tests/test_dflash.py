@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.test_engine import hf_greedy
+from tests.helpers import hf_greedy
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment

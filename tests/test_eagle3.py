@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.test_engine import hf_greedy
+from tests.helpers import hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load
 from verispec.drafters.eagle3_export import export_from_checkpoint

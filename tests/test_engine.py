@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.engine.core import RequestTooLong
 from verispec.state.request import Request
@@ -41,13 +42,6 @@ def tiny(tmp_path_factory):
     AutoModelForCausalLM.from_config(LlamaConfig(**{**common, "num_hidden_layers": 1})).save_pretrained(draft)
     out["draft"] = (str(draft), None)
     return out
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

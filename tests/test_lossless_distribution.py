@@ -7,57 +7,22 @@ reject a lossy acceptance threshold (negative control).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from tests.test_verify import chi2_pvalue
+from tests.helpers import (LENGTH, N, PROMPT, V, batched_counts, chi2_pvalue, continuation_index, exact_distribution,
+                           tiny_vocab_model)
 from verispec import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
-
-V, LENGTH, N = 5, 3, 20000
-PROMPT = [0, 3, 1]
-
-
-def _tiny(path, seed, scale):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(scale)  # peakier distributions make a biased sampler easier to see
-    m.save_pretrained(path)
-    return m
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target_dir, draft_dir = tmp_path_factory.mktemp("dist-target"), tmp_path_factory.mktemp("dist-draft")
-    target = _tiny(target_dir, 0, 40.0)
-    _tiny(draft_dir, 1, 40.0)
+    target = tiny_vocab_model(target_dir, 0, 40.0)
+    tiny_vocab_model(draft_dir, 1, 40.0)
     return target, (target_dir, draft_dir)
-
-
-def exact_distribution(hf) -> torch.Tensor:
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=LENGTH)))  # [V^3, 3]
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
-    with torch.no_grad():
-        logp = hf(ids).logits.log_softmax(-1)  # [V^3, len, V]
-    n0 = len(PROMPT)
-    picked = logp[:, n0 - 1 : n0 - 1 + LENGTH].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
-    return picked.sum(-1).exp()
-
-
-def continuation_index(tokens: list[int]) -> int:
-    """The row of a 3-token continuation in exact_distribution's V^3 table."""
-    idx = 0
-    for t in tokens:
-        idx = idx * V + t
-    return idx
 
 
 def sample_counts(llm: LLM) -> tuple[torch.Tensor, float, bool]:
@@ -74,19 +39,6 @@ def sample_counts(llm: LLM) -> tuple[torch.Tensor, float, bool]:
         accepted += out.stats["num_accepted_tokens"]
         lossy |= out.stats["lossy"]
     return counts, accepted / drafted, lossy
-
-
-def batched_counts(llm: LLM, n: int, batch: int = 16) -> tuple[torch.Tensor, list]:
-    """n seeded continuations, `batch` requests decoding together: counts per continuation, and the outputs."""
-    counts = torch.zeros(V**LENGTH)
-    outs = []
-    for first in range(0, n, batch):
-        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
-                  for i in range(batch)]
-        outs += llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False)
-    for out in outs:
-        counts[continuation_index(out.token_ids)] += 1
-    return counts, outs
 
 
 def _llm(dirs, **rule):

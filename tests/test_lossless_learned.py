@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_lossless_distribution import N, _tiny, batched_counts, exact_distribution
-from tests.test_verify import chi2_pvalue
+from tests.helpers import N, batched_counts, chi2_pvalue, exact_distribution, tiny_vocab_model
 from verispec import LLM
 from verispec.models.loader import load_model
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     d = tmp_path_factory.mktemp("learned-dist")
-    hf = _tiny(d, 0, 40.0)
+    hf = tiny_vocab_model(d, 0, 40.0)
     model, _ = load_model(str(d), dtype="float32", device="cpu", progress=False)
     return hf, d, model
 

@@ -7,29 +7,20 @@ text), prometheus-client's own text parser (metrics), and the engine's snapshot 
 from __future__ import annotations
 
 import json
-import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from verispec import LLM, SamplingParams
+from tests.helpers import CTX, EOS, VOCAB, hf_greedy, live, make_app
+from verispec import SamplingParams
 from verispec.engine.background import BackgroundEngine
-from verispec.models.hub import DEFAULT_MODEL
-from verispec.models.loader import resolve
-from verispec.server.app import create_app, make_server
 
-CTX = 256
-VOCAB = 49152
-EOS = 2
 METRIC_NAMES = [
     "verispec:spec_decode_num_drafts_total", "verispec:spec_decode_num_draft_tokens_total",
     "verispec:spec_decode_num_accepted_tokens_total", "verispec:time_to_first_token_seconds_bucket",
@@ -40,54 +31,8 @@ METRIC_NAMES = [
 MSGS = [{"role": "user", "content": "Write a haiku about caches."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Llama with the default model's tokenizer files, so text prompts and chat work."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX, bos_token_id=1,
-                      eos_token_id=EOS)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-llama-tok")
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    src = resolve(DEFAULT_MODEL, progress=False).directory
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(src / name, out / name)
-    return out
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_dir))
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    """HF's greedy continuation of `ids`, `n` tokens, never stopping early (like ignore_eos)."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def chat_ids(tok, messages: list[dict[str, str]]) -> list[int]:
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
-
-
-def make_app(tiny_dir: Path, speculative_config: dict | None = None, scheduler: str = "static", **kw: Any):
-    llm = LLM(str(tiny_dir), dtype="float32", progress=False, speculative_config=speculative_config)
-    engine = BackgroundEngine(llm, scheduler=scheduler, max_num_seqs=kw.pop("max_num_seqs", 4),
-                              max_waiting=kw.pop("max_waiting", 64))
-    return create_app(llm, engine, **kw), engine
 
 
 @pytest.fixture(scope="module")
@@ -378,23 +323,6 @@ def test_spec_metrics_equal_engine_snapshot_and_output_equals_hf(tiny_dir: Path,
 
 
 # ---- a live server: disconnects and many requests --------------------------------------------------------------
-@contextmanager
-def live(app) -> Iterator[str]:
-    urls: list[str] = []
-    server = make_server(app, "127.0.0.1", 0, log_level="warning", on_ready=urls.append)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not urls:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield urls[0]
-    finally:
-        server.should_exit = True
-        thread.join(15)
-
-
 def test_cli_serve_announces_url_and_stops_on_sigterm(tiny_dir: Path) -> None:
     import signal
     import subprocess

@@ -7,22 +7,9 @@ import math
 import pytest
 import torch
 
+from tests.helpers import chi2_pvalue
 from verispec.execution.sampling import SamplingParams, target_probs
 from verispec.execution.verify import AcceptanceConfig, residual, verify_greedy, verify_sampled
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit, bins with expected < 5 merged into one."""
-    from scipy.stats import chi2
-
-    n = counts.sum().item()
-    exp = probs * n
-    small = exp < 5
-    obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]) if small.any() else counts
-    e = torch.cat([exp[~small], exp[small].sum(0, keepdim=True)]) if small.any() else exp
-    keep = e > 0
-    stat = ((obs[keep] - e[keep]) ** 2 / e[keep]).sum().item()
-    return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
 def test_greedy_accepts_matching_prefix_then_corrects():

@@ -1,0 +1,135 @@
+"""Plain helper functions and constants shared by several test modules (fixtures live in conftest.py).
+
+Test modules import from here (`from tests.helpers import ...`), never from one another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+# ---- HF transformers as the oracle ------------------------------------------------------------------------------
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """HF's greedy continuation of `ids`, `n` tokens, never stopping early (like ignore_eos)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+# ---- statistics -------------------------------------------------------------------------------------------------
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit, bins with expected < 5 merged into one."""
+    from scipy.stats import chi2
+
+    n = counts.sum().item()
+    exp = probs * n
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]) if small.any() else counts
+    e = torch.cat([exp[~small], exp[small].sum(0, keepdim=True)]) if small.any() else exp
+    keep = e > 0
+    stat = ((obs[keep] - e[keep]) ** 2 / e[keep]).sum().item()
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+# ---- the tiny Llama with the default model's tokenizer (fixtures `tiny_dir`, `hf`, `tok` in conftest.py) --------
+
+CTX = 256  # its max_position_embeddings
+VOCAB = 49152  # the default model's tokenizer
+EOS = 2
+
+
+def make_app(tiny_dir: Path, speculative_config: dict | None = None, scheduler: str = "static", **kw: Any):
+    """The server app over a fresh LLM + BackgroundEngine on `tiny_dir`; returns (app, engine)."""
+    from verispec import LLM
+    from verispec.engine.background import BackgroundEngine
+    from verispec.server.app import create_app
+
+    llm = LLM(str(tiny_dir), dtype="float32", progress=False, speculative_config=speculative_config,
+              scheduler=scheduler, max_num_seqs=kw.pop("max_num_seqs", 4))
+    engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=kw.pop("max_waiting", 64))
+    return create_app(llm, engine, **kw), engine
+
+
+@contextmanager
+def live(app) -> Iterator[str]:
+    """`app` served by uvicorn on a free local port in a daemon thread; yields its base URL."""
+    from verispec.server.app import make_server
+
+    urls: list[str] = []
+    server = make_server(app, "127.0.0.1", 0, log_level="warning", on_ready=urls.append)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not urls:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield urls[0]
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+# ---- exact sequence distributions of a tiny-vocabulary target (the lossless-sampling tests) ---------------------
+
+V, LENGTH, N = 5, 3, 20000  # vocabulary, continuation length, samples
+PROMPT = [0, 3, 1]
+
+
+def tiny_vocab_model(path, seed: int, scale: float):
+    """A random 1-layer Llama over V tokens saved to `path`; lm_head scaled by `scale`. Returns the HF model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(scale)  # peakier distributions make a biased sampler easier to see
+    m.save_pretrained(path)
+    return m
+
+
+def exact_distribution(hf) -> torch.Tensor:
+    """P(x1 x2 x3 | PROMPT) for all V^3 continuations, from HF's forward, rows in continuation_index order."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=LENGTH)))  # [V^3, 3]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logp = hf(ids).logits.log_softmax(-1)  # [V^3, len, V]
+    n0 = len(PROMPT)
+    picked = logp[:, n0 - 1 : n0 - 1 + LENGTH].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
+    return picked.sum(-1).exp()
+
+
+def continuation_index(tokens: list[int]) -> int:
+    """The row of a 3-token continuation in exact_distribution's V^3 table."""
+    idx = 0
+    for t in tokens:
+        idx = idx * V + t
+    return idx
+
+
+def batched_counts(llm, n: int, batch: int = 16) -> tuple[torch.Tensor, list]:
+    """n seeded continuations, `batch` requests decoding together: counts per continuation, and the outputs."""
+    from verispec import SamplingParams
+
+    counts = torch.zeros(V**LENGTH)
+    outs = []
+    for first in range(0, n, batch):
+        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
+                  for i in range(batch)]
+        outs += llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False)
+    for out in outs:
+        counts[continuation_index(out.token_ids)] += 1
+    return counts, outs
