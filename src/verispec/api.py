@@ -69,12 +69,15 @@ class LLM:
         max_num_seqs: int = 4,
         scheduler: str | None = None,
         max_num_batched_tokens: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.device = device or default_device()
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if dtype == "auto":  # quantization="gguf" (opt-in, CPU) runs bf16 activations
+            dtype = "bfloat16" if self.device.startswith("cuda") or quantization == "gguf" else "float32"
         self.dtype = dtype
-        self.model, self.resolved = load_model(model, dtype=dtype, device=self.device, progress=progress)
+        self.quantization = quantization
+        self.model, self.resolved = load_model(model, dtype=dtype, device=self.device, progress=progress,
+                                               quantization=quantization)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
         # each of the max_num_seqs KV slots holds max_model_len positions (fp32 on CPU: 46 KB per position for the

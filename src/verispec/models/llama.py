@@ -78,11 +78,24 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch
     return torch.bmm(torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
-def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when there is no bias."""
-    if b is None:
+# A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
+# `Int4Weight`, put there by models/quantized.py) that multiplies itself: w(h [N, in]) -> [N, out].
+Weight = torch.Tensor | nn.Module
+
+
+def _linear(h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """h: [N, in] -> h W^T (+ b): [N, out]."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(h, w, b)
+    y = w(h)  # [N, out]
+    return y if b is None else y + b
+
+
+def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when W is a tensor and there is no bias."""
+    if b is None and isinstance(w, torch.Tensor):
         return torch.addmm(x, h, w.t())
-    return x + F.linear(h, w, b)
+    return x + _linear(h, w, b)
 
 
 class Layer(nn.Module):
@@ -120,7 +133,7 @@ class Layer(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
         n, H, K, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(rms_norm(x, self.attn_norm, self.eps), self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
+        qkv = _linear(rms_norm(x, self.attn_norm, self.eps), self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
         v = qkv[:, (H + K) * hd :].view(n, K, hd)
         if self.q_norm is None:  # rotate q and k together: [N, H + K, hd]
             qk = apply_rope(qkv[:, : (H + K) * hd].view(n, H + K, hd), cos, sin)
@@ -153,7 +166,7 @@ class Layer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
-        gate, up = F.linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = _linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
         return _residual_linear(x, F.silu(gate) * up, self.down, self.down_bias)  # gate, up: [N, I] each
 
 

@@ -140,9 +140,15 @@ def load_model(
     device: str | torch.device = "cpu",
     max_len: int | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> tuple[LlamaModel, ResolvedModel]:
-    """Build our decoder with the checkpoint's weights, cast to `dtype` on `device`."""
+    """Build our decoder with the checkpoint's weights, cast to `dtype` on `device`.
+
+    quantization="gguf" (opt-in; a .gguf model, CPU, dtype bfloat16): the Q4_0 / Q4_1 linears run on the GGUF's
+    own 4-bit blocks through the CPU int4 kernel (models/quantized.py); None (the default): dense weights.
+    """
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
+    _check_quantization(quantization, resolved, dtype, device)
     cfg = ModelConfig.from_hf(read_config(resolved.directory))
     rope_len = max(cfg.max_position_embeddings, max_len or 0)
     with torch.device("meta"):
@@ -154,8 +160,31 @@ def load_model(
     # .to(dtype) rounded the RoPE tables to the weights' dtype; they stay float32-typed (with those rounded values)
     net.rope_cos = net.rope_cos.float()
     net.rope_sin = net.rope_sin.float()
+    if quantization == "gguf":
+        from verispec.models.quantized import quantize_from_gguf
+
+        replaced = quantize_from_gguf(net, resolved.gguf)  # type: ignore[arg-type]
+        log.info("quantization=gguf: %d linears run on the GGUF's int4 blocks", replaced)
     net.eval()
     return net, resolved
+
+
+QUANTIZATIONS = ("gguf",)
+
+
+def _check_quantization(quantization: str | None, resolved: ResolvedModel, dtype: str | torch.dtype,
+                        device: str | torch.device) -> None:
+    """Raise unless `quantization` is None, or "gguf" on a GGUF model, on CPU, in bfloat16."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)} or None")
+    if resolved.gguf is None:
+        raise ValueError(f"quantization='gguf' needs a .gguf model (or a known name); {resolved.name} is not one")
+    if torch.device(device).type != "cpu":
+        raise ValueError("quantization='gguf' runs aten's CPU int4 kernel: use device='cpu'")
+    if parse_dtype(dtype) != torch.bfloat16:
+        raise ValueError("quantization='gguf' runs bfloat16 activations: use dtype='bfloat16'")
 
 
 def load_tokenizer(resolved: ResolvedModel):

@@ -1,0 +1,100 @@
+"""GGUF weight formats: a tensor's raw Q4_0 / Q4_1 / Q8_0 blocks, unpacked as they are stored.
+
+Every format here groups 32 consecutive elements of a row (along K, the input dimension) into one block:
+  Q4_0: fp16 d, 16 bytes of nibbles          w = (q - 8) * d        q in 0..15
+  Q4_1: fp16 d, fp16 m, 16 bytes of nibbles   w = q * d + m          q in 0..15
+  Q8_0: fp16 d, 32 int8                       w = q * d              q in -128..127
+Within a block's 16 nibble bytes, element j < 16 is the low nibble of byte j and element j >= 16 the high nibble
+of byte j - 16. GGUF lists a tensor's dimensions innermost first (ne = [K, N]); `Blocks` holds the logical
+[N, K] layout, which is HF's [out, in] for a linear weight. `Blocks.dequantize` uses gguf's own fp32 arithmetic,
+so it equals `gguf.quants.dequantize` bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+BLOCK = 32  # elements per block, along K
+# format name -> (bytes per block, whether the block stores a min m after d)
+FORMATS: dict[str, tuple[int, bool]] = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One quantised [N, K] weight: per-element quants and per-block scales (and mins), as stored."""
+
+    kind: str  # "Q4_0", "Q4_1" or "Q8_0"
+    q: np.ndarray  # [N, K] uint8 in 0..15 (Q4_0, Q4_1) or int8 (Q8_0)
+    scale: np.ndarray  # [N, K / 32] float16: each block's d
+    min: np.ndarray | None  # [N, K / 32] float16: each block's m (Q4_1), else None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32, computed as gguf does (fp32 scale times fp32 quant, then plus the fp32 min)."""
+        n, k = self.shape
+        d = self.scale.astype(np.float32)[:, :, None]  # [N, K/32, 1]
+        q = self.q.reshape(n, k // BLOCK, BLOCK)  # [N, K/32, 32]
+        if self.kind == "Q4_0":
+            w = d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
+        elif self.kind == "Q4_1":
+            w = d * q.astype(np.float32) + self.min.astype(np.float32)[:, :, None]  # type: ignore[union-attr]
+        else:
+            w = q.astype(np.float32) * d
+        return w.reshape(n, k)
+
+    def take_rows(self, rows: np.ndarray) -> Blocks:
+        """The weight with its output rows reordered (rows: [N'] indices): blocks run along K, so this is exact."""
+        m = None if self.min is None else self.min[rows]
+        return Blocks(self.kind, self.q[rows], self.scale[rows], m)
+
+
+def unpack(raw: np.ndarray, kind: str) -> Blocks:
+    """raw: uint8 [N, K / 32 * bytes per block], one row of blocks per output row -> its `Blocks`."""
+    if kind not in FORMATS:
+        raise ValueError(f"unsupported block format {kind!r}; supported: {', '.join(FORMATS)}")
+    size, has_min = FORMATS[kind]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    n = raw.shape[0]
+    if raw.ndim != 2 or raw.shape[1] % size:
+        raise ValueError(f"{kind}: rows of {raw.shape[1:]} bytes are not whole {size}-byte blocks")
+    b = raw.reshape(n, -1, size)  # [N, K/32, bytes per block]
+    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0]  # [N, K/32]
+    m = b[:, :, 2:4].copy().view(np.float16)[:, :, 0] if has_min else None
+    body = b[:, :, 4 if has_min else 2 :]  # [N, K/32, 16] nibble bytes or [N, K/32, 32] int8
+    if kind == "Q8_0":
+        q = body.copy().view(np.int8)  # [N, K/32, 32]
+    else:
+        q = np.concatenate([body & 0x0F, body >> 4], axis=-1)  # [N, K/32, 32]: low nibbles first
+    return Blocks(kind, q.reshape(n, -1), d, m)
+
+
+def tensor_kind(reader: GGUFReader, name: str) -> str:
+    """The GGML type name of tensor `name` ("Q4_1", "F32", ...)."""
+    return GGMLQuantizationType(_tensor(reader, name).tensor_type).name
+
+
+def read_blocks(source: GGUFReader | str | os.PathLike, name: str) -> Blocks:
+    """Tensor `name` of a GGUF file (a path or an open reader) as `Blocks` in its logical [N, K] layout."""
+    reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
+    t = _tensor(reader, name)
+    kind = GGMLQuantizationType(t.tensor_type).name
+    k = int(t.shape[0])  # GGUF's ne: innermost (K) first
+    n = int(np.prod(t.shape[1:]))
+    blocks = unpack(np.asarray(t.data).reshape(n, -1), kind)
+    if blocks.shape != (n, k):
+        raise ValueError(f"{name}: unpacked {blocks.shape}, expected {(n, k)}")
+    return blocks
+
+
+def _tensor(reader: GGUFReader, name: str):
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise KeyError(f"GGUF file has no tensor {name!r}")

@@ -1,0 +1,75 @@
+"""Opt-in GGUF-quantised decoder (`load_model(..., quantization="gguf")`): the decoder loaded in bf16, then every
+linear whose GGUF tensors are all Q4_0 / Q4_1 replaced by an `Int4Weight` built from the file's own blocks
+(execution/int4.py: no requantisation; bf16 activations). Fused weights stack their parts along N as the HF
+loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp stores a "llama" model's q and k rows permuted for its
+RoPE layout; they are un-permuted here exactly as transformers' GGUF loader does, so row i of every weight is the
+dense model's row i. Norms, biases, the embedding and the (tied) lm_head stay dense bf16; any linear in another
+format (Q8_0, K-quants, F16) stays dense too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGUFReader
+
+from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
+from verispec.models.gguf_blocks import Blocks, read_blocks, tensor_kind
+from verispec.models.llama import LlamaModel
+
+INT4_KINDS = ("Q4_0", "Q4_1")
+# fused weight of `Layer` -> the GGUF tensors (blk.{i}.<name>.weight) stacked along N, in order
+FUSED: dict[str, tuple[str, ...]] = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+                                     "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+
+
+def unpermute_rows(n: int, heads: int) -> np.ndarray:
+    """Row indices [n] undoing llama.cpp's q/k permutation for `heads` heads, as transformers'
+    `_reverse_permute_weights` does: rows viewed as [heads, n / heads / 2, 2], the last two axes swapped."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def layer_blocks(reader: GGUFReader, model: LlamaModel, index: int) -> dict[str, list[Blocks]]:
+    """Layer `index`'s fused weights whose parts are all Q4_0 / Q4_1: name -> the parts' `Blocks` in the dense
+    model's row order."""
+    cfg, permuted = model.cfg, _arch(reader) == "llama"
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    out: dict[str, list[Blocks]] = {}
+    for fused, parts in FUSED.items():
+        names = [f"blk.{index}.{p}.weight" for p in parts]
+        if not all(tensor_kind(reader, n) in INT4_KINDS for n in names):
+            continue
+        blocks = [read_blocks(reader, n) for n in names]
+        if permuted:
+            blocks = [b.take_rows(unpermute_rows(b.shape[0], heads[p])) if p in heads else b
+                      for p, b in zip(parts, blocks)]
+        out[fused] = blocks
+    return out
+
+
+def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
+    """Replace `model`'s Q4_0 / Q4_1 linears (a bf16 CPU model loaded from `gguf_path`) with `Int4Weight`s, in
+    place. Returns how many were replaced."""
+    reader = GGUFReader(str(gguf_path))
+    replaced = 0
+    for i, layer in enumerate(model.layers):
+        for name, blocks in layer_blocks(reader, model, i).items():
+            dense = getattr(layer, name)  # [N, K]
+            n, k = dense.shape
+            if sum(b.shape[0] for b in blocks) != n or any(b.shape[1] != k for b in blocks):
+                raise ValueError(f"layer {i} {name}: GGUF blocks {[b.shape for b in blocks]} vs model {(n, k)}")
+            if n % N_MULTIPLE or k % GROUP:
+                continue  # the CPU int4 packing cannot hold this shape: stays dense
+            packed = Int4Weight.from_q4([(b.q, b.scale, b.min) for b in blocks], dtype=dense.dtype)
+            delattr(layer, name)  # the dense parameter goes; the module takes its name
+            setattr(layer, name, packed)
+            replaced += 1
+    return replaced
+
+
+def _arch(reader: GGUFReader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        return ""
+    return bytes(field.parts[field.data[0]]).decode()
