@@ -47,6 +47,7 @@ class AttentionContext:
     segments: tuple[Segment, ...]  # the N rows, in segment order
     masks: tuple[MaskTable, ...]  # one per segment
     cache: KVCache  # each layer writes its K/V here (its own `Layer.index`) and reads the keys back
+    per_query: bool = False  # attend one query position at a time (`LlamaModel.batch_invariant`)
 
 
 @dataclass
@@ -152,6 +153,10 @@ class Layer(nn.Module):
         for s, m in zip(ctx.segments, ctx.masks):
             n, end = s.length, s.start + s.length
             cache.write(li, s.slot, s.start, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
+            if ctx.per_query:
+                outs.extend(self._attend_per_query(q[off : off + n], s, cache))
+                off += n
+                continue
             lo, blocked = m[self.window]
             keys = cache.k[li][s.slot, :, lo:end]  # [K, L, hd]
             vals = cache.v[li][s.slot, :, lo:end]
@@ -163,6 +168,21 @@ class Layer(nn.Module):
             outs.append(o.reshape(H, n, hd).transpose(0, 1).reshape(n, H * hd))
             off += n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _attend_per_query(self, q: torch.Tensor, s: Segment, cache: KVCache) -> list[torch.Tensor]:
+        """q: [n, H, hd] of segment s, whose K/V are written -> n rows [1, H hd], each computed exactly as a lone
+        decode step at its position computes it: the same shapes, so the same kernels and rounding, whatever the
+        block size or the other rows (batch invariance; CPU fp32 matmuls round differently by row count)."""
+        K, hd = self.num_kv_heads, self.head_dim
+        outs = []
+        for i in range(s.length):
+            pos = s.start + i
+            lo = 0 if self.window is None else max(0, pos - self.window + 1)
+            keys = cache.k[self.index][s.slot, :, lo : pos + 1]  # [K, L_i, hd]
+            vals = cache.v[self.index][s.slot, :, lo : pos + 1]
+            o = _attention(q[i].reshape(K, -1, hd).contiguous(), keys, vals, None)  # [K, G, hd]
+            outs.append(o.reshape(1, -1))  # [1, H hd]
+        return outs
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
@@ -180,6 +200,9 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.set_rope_length(rope_len or cfg.max_position_embeddings)
         self._windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}  # None = full attention
+        # True: attention runs one query position at a time, so a token's logits do not depend on the block it is
+        # verified in or on the other requests of the forward when the linears are batch-invariant too
+        self.batch_invariant = False
 
     def set_rope_length(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0 .. n-1, in fp32 on the embedding's device (or meta)."""
@@ -285,7 +308,7 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # [N, 1, head_dim]
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         masks = tuple(self._masks(s) for s in segments)
-        return AttentionContext(cos, sin, tuple(segments), masks, cache)
+        return AttentionContext(cos, sin, tuple(segments), masks, cache, per_query=self.batch_invariant)
 
     def _masks(self, s: Segment) -> MaskTable:
         """Per window size (None = full): (first key position read, bool [length, keys] True = hidden, or None)."""

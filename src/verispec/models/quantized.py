@@ -65,6 +65,7 @@ def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
             delattr(layer, name)  # the dense parameter goes; the module takes its name
             setattr(layer, name, packed)
             replaced += 1
+    model.batch_invariant = True  # the int4 and dense bf16 linears are row-wise invariant; attention follows suit
     return replaced
 
 
