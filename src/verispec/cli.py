@@ -21,6 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: run a .gguf model's own Q4_0 / Q4_1 weights on the CPU int4 kernel (bf16 activations, "
+                        "batch-invariant: speculative greedy output equals plain bitwise); default: dense weights")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -222,7 +225,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = _spec_config(args)
     kind, prompt = _build_prompt(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=spec, check_state=args.check_state)
+              speculative_config=spec, check_state=args.check_state, quantization=args.quantization)
     streamer = None if args.json else TextStreamer(llm)
     run = llm.chat if kind == "chat" else llm.generate
     out = run(prompt, params, use_tqdm=False, on_tokens=streamer)[0]
@@ -255,7 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # one full-length KV slot per running request: a 2048-token default keeps 16 slots near 1.5 GB on CPU
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
               speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
-              scheduler=args.scheduler)
+              scheduler=args.scheduler, quantization=args.quantization)
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
     app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key)
     run_server(app, args.host, args.port, log_level=args.log_level)

@@ -21,7 +21,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     print(f"verispec demo: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
-              max_num_seqs=1)
+              max_num_seqs=1, quantization=args.quantization)
     rep = run_single(model=args.model, methods=MODEL_FREE_METHODS, workloads=WORKLOADS, limit=1, repeats=1,
                      max_tokens=args.max_tokens, llm=llm)
     paths = write_report(rep, args.out)

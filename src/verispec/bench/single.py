@@ -68,10 +68,11 @@ def traced_peak(llm, ids, params) -> int:
 
 def run_single(model: str = DEFAULT_MODEL, dtype: str = "float32", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
-               device: str = "cpu", progress: bool = True, llm=None) -> Report:
+               device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None) -> Report:
     from verispec import LLM, SamplingParams
 
-    base = llm or LLM(model, dtype=dtype, device=device, max_model_len=2048, max_num_seqs=1, progress=progress)
+    base = llm or LLM(model, dtype=dtype, device=device, max_model_len=2048, max_num_seqs=1, progress=progress,
+                      quantization=quantization)
     engines = {"none": base}
     for m in methods:
         engines[m] = base.with_speculation(method_spec(m, k))
@@ -224,10 +225,11 @@ def add_single_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_single_cli(args: argparse.Namespace) -> int:
-    rep = run_single(model=args.model, dtype="float32" if args.dtype == "auto" else args.dtype,
+    auto = "bfloat16" if args.quantization == "gguf" else "float32"
+    rep = run_single(model=args.model, dtype=auto if args.dtype == "auto" else args.dtype,
                      methods=[m for m in args.methods.split(",") if m], workloads=args.workloads.split(","),
                      limit=args.limit, repeats=args.repeats, max_tokens=args.max_tokens,
-                     k=args.num_speculative_tokens, device=args.device or "cpu")
+                     k=args.num_speculative_tokens, device=args.device or "cpu", quantization=args.quantization)
     paths = write_report(rep, args.out)
     from verispec.bench.report import markdown_table
 
