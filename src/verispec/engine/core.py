@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec.drafters import DrafterFactory
-from verispec.drafters.base import Draft, Drafter, needs_features
+from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
@@ -180,7 +180,7 @@ class Engine:
     def _propose(self, lv: LiveRequest, k: int) -> Draft:
         """Ask the request's drafter for up to k tokens, timing it; the proposal is cut to k."""
         if k <= 0:
-            return Draft([])
+            return EMPTY
         t = time.perf_counter()
         d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
         lv.draft_s = time.perf_counter() - t
@@ -201,7 +201,7 @@ class Engine:
             r, slot = lv.req, lv.req.slot
             assert slot is not None
             r.check(self.cache.length(slot))
-            blocks.append(Block(slot, r.num_computed, [r.all_ids[r.num_computed]] + lv.draft_tokens, logits=True))
+            blocks.append(Block(slot, r.num_computed, [r.all_ids[r.num_computed]] + lv.draft.tokens, logits=True))
         for c in plan.prefill:
             r, slot, start = c.live.req, c.live.req.slot, c.live.req.num_computed
             assert slot is not None
@@ -221,7 +221,7 @@ class Engine:
 
     def _verify_and_commit(self, lv: LiveRequest, out: BatchOutput, block: int, timing: StepTiming) -> None:
         """Decode block `block` of the batch belongs to `lv`: verify its draft, keep the accepted positions."""
-        d = lv.draft or Draft([])
+        d = lv.draft
         t_verify = time.perf_counter()
         verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)
         t_state = time.perf_counter()
@@ -248,7 +248,7 @@ class Engine:
     def _account(self, lv: LiveRequest, verdict: Verdict, timing: StepTiming, *, verify_s: float,
                  state_s: float) -> None:
         """The acceptance estimate, the probe schedule, per-request and engine-wide counters."""
-        g = len(lv.draft_tokens)
+        g = len(lv.draft.tokens)
         if lv.drafter is not None:
             if g:
                 lv.estimator.update(g, verdict.accepted, lv.draft_s)

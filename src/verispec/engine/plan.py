@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from verispec.drafters.base import EMPTY, Draft
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.state.request import Request
 
 if TYPE_CHECKING:
     import torch
 
-    from verispec.drafters.base import Draft, Drafter
+    from verispec.drafters.base import Drafter
 
 TokenCallback = Callable[[Request, list[int]], None]
 
@@ -34,7 +35,7 @@ class LiveRequest:
     probe: bool = False  # the estimator asked for a short probe this step
     aborted: bool = False
     # this step's speculation, reset by `clear_draft` at the start of every step
-    draft: "Draft | None" = None  # the part of the proposal that goes into the forward (None: no draft)
+    draft: Draft = EMPTY  # the part of the proposal that goes into the forward
     draft_s: float = 0.0  # seconds its drafter spent proposing
     proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
 
@@ -47,12 +48,8 @@ class LiveRequest:
         """Decoding, has a drafter, and is past its first token (the first step finishes the prefill)."""
         return self.drafter is not None and self.prefilled and bool(self.req.output_ids)
 
-    @property
-    def draft_tokens(self) -> list[int]:
-        return [] if self.draft is None else self.draft.tokens
-
     def clear_draft(self) -> None:
-        self.draft, self.draft_s, self.proposed = None, 0.0, False
+        self.draft, self.draft_s, self.proposed = EMPTY, 0.0, False
 
 
 @dataclass(frozen=True)
