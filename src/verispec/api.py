@@ -14,15 +14,15 @@ from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.drafters.features import target_features
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
+from verispec.engine.costs import StepCosts
 from verispec.engine.scheduler import make_policy
+from verispec.execution.profile import profile_costs, profile_step_costs
+from verispec.execution.sampling import SamplingParams
+from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import load_model, load_tokenizer
 from verispec.state.request import Request
-from verispec.execution.sampling import SamplingParams
-from verispec.engine.costs import StepCosts
-from verispec.execution.profile import profile_costs, profile_step_costs
-from verispec.execution.verify import AcceptanceConfig
 
 Prompt = Union[str, dict[str, Any], Sequence[int]]
 Message = dict[str, str]

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from verispec.state.kv_cache import KVCache
 from verispec.models.llama import LlamaModel
+from verispec.state.kv_cache import KVCache
 
 
 class StateMismatch(AssertionError):

@@ -8,9 +8,9 @@ import torch
 
 from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft
-from verispec.state.kv_cache import KVCache
-from verispec.models.llama import LlamaModel, Segment
 from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.models.llama import LlamaModel, Segment
+from verispec.state.kv_cache import KVCache
 
 
 class IncompatibleDraftModel(ValueError):

@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.drafters.base import Draft
+from verispec.execution.sampling import SamplingParams, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
-from verispec.execution.sampling import SamplingParams, target_probs
 
 ARCH = "LlamaForCausalLMEagle3"
 

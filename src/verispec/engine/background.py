@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from verispec.engine.core import Engine, RequestTooLong
-from verispec.state.request import Request
 from verispec.execution.sampling import SamplingParams
+from verispec.state.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ModelConfig
-from verispec.state.kv_cache import KVCache
 from verispec.models.rope import apply_rope, rope_tables
+from verispec.state.kv_cache import KVCache
 
 # per window size (None = full attention): (first key position read, bool [n, keys] True = hidden, or None)
 MaskTable = dict[int | None, tuple[int, torch.Tensor | None]]
