@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -9,20 +11,24 @@ import torch
 from tqdm.auto import tqdm
 
 from verispec.check.state import check_kv
-from verispec.config import LEARNED_METHODS, SpeculativeConfig
+from verispec.config import LEARNED_METHODS, ModelConfig, SpeculativeConfig
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.drafters.features import target_features
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.costs import StepCosts
 from verispec.engine.scheduler import make_policy
+from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.profile import profile_costs, profile_step_costs
 from verispec.execution.sampling import SamplingParams
 from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
-from verispec.models.loader import load_model, load_tokenizer
+from verispec.models.loader import (ResolvedModel, gguf_has_int4_linears, load_model, load_tokenizer, read_config,
+                                    resolve)
 from verispec.state.request import Request
+
+log = logging.getLogger(__name__)
 
 Prompt = Union[str, dict[str, Any], Sequence[int]]
 Message = dict[str, str]
@@ -72,12 +78,12 @@ class LLM:
         quantization: str | None = None,
     ) -> None:
         self.device = device or default_device()
-        if dtype == "auto":  # quantization="gguf" (opt-in, CPU) runs bf16 activations
-            dtype = "bfloat16" if self.device.startswith("cuda") or quantization == "gguf" else "float32"
-        self.dtype = dtype
-        self.quantization = quantization
-        self.model, self.resolved = load_model(model, dtype=dtype, device=self.device, progress=progress,
-                                               quantization=quantization)
+        self.resolved = resolve(model, progress)
+        spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))  # bad input fails first
+        self.path_choice = self._choose_path(self.resolved, dtype, quantization, spec, progress)
+        self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
+        self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=progress,
+                                   quantization=self.quantization)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
         # each of the max_num_seqs KV slots holds max_model_len positions (fp32 on CPU: 46 KB per position for the
@@ -95,6 +101,20 @@ class LLM:
         self.check_state = check_state
         self._engine: Engine | None = None
         self._set_speculation(speculative_config)
+
+    def _choose_path(self, resolved: ResolvedModel, dtype: str, quantization: str | None, spec: SpeculativeConfig,
+                     progress: bool) -> PathChoice:
+        """The weight path: named by dtype / quantization, or measured for this machine when dtype="auto"
+        (execution/autotune.py) for the blocks `spec` verifies; said on stderr when `progress` is on, and in
+        every output's stats."""
+        k = 0 if spec.method == "none" else spec.num_speculative_tokens
+        cfg = ModelConfig.from_hf(read_config(resolved.directory))
+        choice = resolve_path(dtype, quantization, self.device, cfg, gguf_has_int4_linears(resolved), k,
+                              cache=hub.cache_dir())
+        log.info("%s", choice.describe())
+        if progress and not choice.explicit:
+            print(f"verispec: {choice.describe()}", file=sys.stderr, flush=True)
+        return choice
 
     def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
         self.spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
@@ -304,6 +324,7 @@ class LLM:
         stats = req.stats.as_dict()
         stats.update(req.spec.as_dict())
         stats["method"] = self.spec.method
+        stats.update(self.path_choice.as_dict())
         stats["scheduler"] = self.scheduler_name
         return RequestOutput(
             request_id=req.request_id,

@@ -18,7 +18,10 @@ DEFAULT_MODEL = hub.DEFAULT_MODEL
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="known model name, .gguf file, Hugging Face directory or hub id (default: %(default)s)")
-    p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): the weight path this machine runs fastest for the blocks the engine "
+                        "verifies, from a short profile cached per machine (dense fp32 or bf16, or a GGUF's own "
+                        "int4 blocks; bf16 on CUDA); the choice is printed and reported in stats and /metrics")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--quantization", default=None, choices=["gguf"],
@@ -104,14 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     demo = sub.add_parser("demo", help="the main job: a short single-stream comparison on the default model")
-    _add_model_args(demo, dtype="float32")
+    _add_model_args(demo)
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--out", default="verispec-demo", help="directory for the HTML report (default: %(default)s)")
 
     bench = sub.add_parser("bench", help="benchmarks: single-stream (in process) or serving sweeps (any endpoint)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     single = bsub.add_parser("single", help="single-stream: each method vs plain decoding on the workloads")
-    _add_model_args(single, dtype="float32")
+    _add_model_args(single)
     from verispec.bench.single import add_single_args
 
     add_single_args(single)

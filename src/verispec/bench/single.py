@@ -66,14 +66,16 @@ def traced_peak(llm, ids, params) -> int:
         tracemalloc.stop()
 
 
-def run_single(model: str = DEFAULT_MODEL, dtype: str = "float32", methods=MODEL_FREE_METHODS,
+def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
                device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None) -> Report:
     from verispec import LLM, SamplingParams
 
+    # dtype="auto" picks the path for the engine's blocks with k drafts: the first method's configuration
+    first_spec = method_spec(methods[0], k) if methods else None
     base = llm or LLM(model, dtype=dtype, device=device, max_model_len=2048, max_num_seqs=1, progress=progress,
-                      quantization=quantization)
-    engines = {"none": base}
+                      quantization=quantization, speculative_config=first_spec)
+    engines = {"none": base.with_speculation(None)}
     for m in methods:
         engines[m] = base.with_speculation(method_spec(m, k))
     for e in engines.values():
@@ -124,10 +126,11 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "float32", methods=MODEL
     plain_traced = mem["none"]
     mem = {n: (b - plain_traced if engines[n].drafters.draft_model is None else b) for n, b in mem.items()}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return build_report(records, engines, mem, rss, dtype=str(base.dtype), model=model, repeats=repeats, limit=limit)
+    return build_report(records, engines, mem, rss, path=base.path_choice, model=model, repeats=repeats,
+                        limit=limit)
 
 
-def build_report(records, engines, mem, rss, *, dtype, model, repeats, limit) -> Report:
+def build_report(records, engines, mem, rss, *, path, model, repeats, limit) -> Report:
     by = defaultdict(list)
     for x in records:
         by[(x["workload"], x["method"])].append(x)
@@ -157,12 +160,14 @@ def build_report(records, engines, mem, rss, *, dtype, model, repeats, limit) ->
         notes.append(f"{len(bugs)} divergences that are NOT near-ties: " + "; ".join(
             f"{x['method']} on {x['prompt_id']}: {x['divergence']}" for x in bugs[:5]))
     rep = Report(
-        title=f"Single-stream speculative decoding: {model}, {dtype}",
+        title=f"Single-stream speculative decoding: {model}, path {path.path.name}",
         conditions={
             "concurrency": "1 (one request at a time, in process)",
             "metric": "output tok/s of one stream, prefill included (median over prompts and repeats); TTFT, E2E, "
                       "tau = tokens per target forward",
-            "baseline": "speculation off (method none), same target, dtype and prompts, interleaved in the same run",
+            "baseline": "speculation off (method none), same target, weight path and prompts, interleaved in the same "
+                        "run",
+            "path": path.describe(),
             "setup": f"greedy, {limit} prompt(s) per workload, {repeats} repeat(s), methods "
                      f"{', '.join(n for n in engines if n != 'none')}",
         },
@@ -225,8 +230,7 @@ def add_single_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_single_cli(args: argparse.Namespace) -> int:
-    auto = "bfloat16" if args.quantization == "gguf" else "float32"
-    rep = run_single(model=args.model, dtype=auto if args.dtype == "auto" else args.dtype,
+    rep = run_single(model=args.model, dtype=args.dtype,
                      methods=[m for m in args.methods.split(",") if m], workloads=args.workloads.split(","),
                      limit=args.limit, repeats=args.repeats, max_tokens=args.max_tokens,
                      k=args.num_speculative_tokens, device=args.device or "cpu", quantization=args.quantization)

@@ -49,8 +49,22 @@ class EngineCollector:
                                 value=s.kv_usage)
 
 
+class ConfigCollector:
+    """`verispec:engine_config_info`: constant 1, labelled with what runs (weight path, dtype, quantization,
+    device) and on which CPU (model, kernel flags, torch's capability), as vLLM labels its `*_config_info`."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = {k: "none" if v is None else str(v) for k, v in labels.items()}
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(PREFIX + "engine_config_info", "The engine's weight path and the CPU it runs on.",
+                              labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), 1)
+        yield g
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], Any]) -> None:
+    def __init__(self, snapshot: Callable[[], Any], config: dict[str, Any] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to its first output token.",
@@ -69,6 +83,8 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)
         r.register(EngineCollector(snapshot))
+        if config:
+            r.register(ConfigCollector(config))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

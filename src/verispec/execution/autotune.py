@@ -1,0 +1,210 @@
+"""`dtype="auto"`: choose the weight path by measuring this machine, not by a hard-coded guess.
+
+For each candidate path (execution/paths.py) a short profile times the target's linear layers at its own shapes
+(one decoder layer's qkv, o, gate_up and down, scaled by the number of layers, plus the output head) for
+M = 1, 4, 8 and 16 tokens per forward, with random weights in the path's format, at the current thread count:
+about a second in all. Linear layers are where the paths differ; attention and element-wise work are about the
+same on all. The table is cached per machine (CPU model and flags, torch version, threads, shapes) under the
+verispec cache, so the measurement is paid once.
+
+The expected cost of a step is the mean over the engine's typical block sizes: M = 1 when it decodes plainly,
+M = 1 and M = k + 1 when it speculates k tokens (the schedulers shorten drafts where they fail, so both ends
+occur). The path with the least expected cost wins; one engine then runs that one path for plain and verify
+steps alike, so speculative output equals plain output on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from verispec.config import ModelConfig
+from verispec.execution.paths import CpuInfo, WeightPath, cpu_info
+
+PROFILE_M = (1, 4, 8, 16)  # tokens per forward the profile times
+REPEATS = 5  # timed rounds per M after a warm-up; each path keeps its fastest
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    path: WeightPath
+    blocks: tuple[int, ...]  # the block sizes the expected cost averages over
+    table: dict[str, dict[int, float]]  # path name -> M -> ms of the linears of one forward
+    cpu: CpuInfo
+    cached: bool  # the table came from the cache
+    explicit: bool = False  # the user named the path; nothing was measured
+    expected: dict[str, float] = field(default_factory=dict)  # path name -> expected ms per step
+
+    def describe(self) -> str:
+        if self.explicit:
+            return f"path {self.path.name} ({self.path.note}), as asked; CPU {self.cpu.label()}"
+        costs = ", ".join(f"{n} {ms:.1f}" for n, ms in sorted(self.expected.items(), key=lambda kv: kv[1]))
+        how = "cached profile" if self.cached else "measured now"
+        return (f"path {self.path.name} ({self.path.note}) chosen by dtype=auto on CPU {self.cpu.label()}: "
+                f"expected ms of the linears per step at M={'/'.join(map(str, self.blocks))}: {costs} ({how})")
+
+    def as_dict(self) -> dict[str, object]:
+        return {**self.path.as_dict(), **self.cpu.as_dict(), "path_chosen_by": "explicit" if self.explicit else "auto"}
+
+
+def typical_blocks(num_speculative_tokens: int) -> tuple[int, ...]:
+    """The block sizes a step of this engine usually verifies: 1 (plain) or 1 and k + 1 (speculative)."""
+    return (1,) if num_speculative_tokens <= 0 else (1, num_speculative_tokens + 1)
+
+
+def expected_cost(table: dict[int, float], blocks: Sequence[int]) -> float:
+    """Mean ms over `blocks`, each interpolated linearly in M between the profiled sizes (beyond the largest,
+    proportional to M: a pessimistic guess, since the curves flatten)."""
+    ms = sorted(table)
+
+    def at(m: int) -> float:
+        if m <= ms[0]:
+            return table[ms[0]]
+        if m >= ms[-1]:
+            return table[ms[-1]] * m / ms[-1]
+        lo, hi = max(x for x in ms if x <= m), min(x for x in ms if x >= m)
+        return table[lo] if lo == hi else table[lo] + (table[hi] - table[lo]) * (m - lo) / (hi - lo)
+
+    return statistics.fmean(at(m) for m in blocks)
+
+
+def choose(candidates: Sequence[WeightPath], table: dict[str, dict[int, float]], blocks: Sequence[int],
+           cpu: CpuInfo, cached: bool) -> PathChoice:
+    """The candidate with the least expected cost; ties (within 5 %) go to the earlier, more exact candidate."""
+    expected = {p.name: expected_cost(table[p.name], blocks) for p in candidates}
+    best = candidates[0]
+    for p in candidates[1:]:
+        if expected[p.name] < 0.95 * expected[best.name]:
+            best = p
+    return PathChoice(best, tuple(blocks), table, cpu, cached, expected=expected)
+
+
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of one decoder layer's fused linears: qkv, o, gate_up, down."""
+    d, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [(q_out + 2 * kv_out, d), (d, q_out), (2 * cfg.intermediate_size, d), (d, cfg.intermediate_size)]
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STREAM_BYTES = 64 * 2**20  # weights cycled through per timed pass: more than a last-level cache holds
+
+
+def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """An [N, K] linear in the path's format with random weights: (x [M, K] -> [M, N], its bytes)."""
+    dtype = DTYPES[path.dtype]
+    g = torch.Generator().manual_seed(seed)
+    if path.quantization == "gguf" and n % 16 == 0 and k % 32 == 0:
+        from verispec.execution.int4 import GROUP, Int4Weight
+
+        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // GROUP, generator=g) / 50,
+                       torch.zeros(n, k // GROUP), dtype=dtype)
+        return w.matmul, w.packed.numel() * w.packed.element_size() + w.scale_zero.numel() * 2
+    dense = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    return (lambda x: torch.nn.functional.linear(x, dense)), dense.numel() * dense.element_size()
+
+
+class _PathBench:
+    """One path's linears with random weights: a layer's linears in as many distinct copies as fill STREAM_BYTES
+    (at most num_layers), so they come from memory as in a real forward and not from a cache one small layer
+    fits in, and the dense output head."""
+
+    def __init__(self, path: WeightPath, cfg: ModelConfig) -> None:
+        self.cfg, self.dtype, self.shapes = cfg, DTYPES[path.dtype], linear_shapes(cfg)
+        first = [_linear_fn(path, n, k, i) for i, (n, k) in enumerate(self.shapes)]
+        self.copies = max(1, min(cfg.num_layers, STREAM_BYTES // max(1, sum(b for _, b in first))))
+        self.layers = [[f for f, _ in first]] + [
+            [_linear_fn(path, n, k, 97 * c + i)[0] for i, (n, k) in enumerate(self.shapes)]
+            for c in range(1, self.copies)]
+        self.head = (torch.randn(cfg.vocab_size, cfg.hidden_size) / cfg.hidden_size**0.5).to(self.dtype)
+
+    def forward_ms(self, m: int) -> float:
+        """ms of one forward's linears at M = m: the layer copies' time / copies x num_layers, plus the head."""
+        xs = [torch.randn(m, k).to(self.dtype) for _, k in self.shapes]
+        h = torch.randn(m, self.cfg.hidden_size).to(self.dtype)
+        t0 = time.perf_counter()
+        for fs in self.layers:
+            for f, x in zip(fs, xs):
+                f(x)
+        t1 = time.perf_counter()
+        torch.nn.functional.linear(h, self.head)
+        t2 = time.perf_counter()
+        return ((t1 - t0) / self.copies * self.cfg.num_layers + (t2 - t1)) * 1e3
+
+
+def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig) -> dict[str, dict[int, float]]:
+    """path name -> M -> ms of one forward's linears. The paths are timed interleaved, REPEATS rounds after a
+    warm-up round, and each keeps its fastest round: another process stealing the CPU slows a round, never
+    speeds one, so the minimum is the measurement least disturbed on a shared machine."""
+    benches = {p.name: _PathBench(p, cfg) for p in paths}
+    out: dict[str, dict[int, float]] = {p.name: {} for p in paths}
+    with torch.inference_mode():
+        for m in PROFILE_M:
+            for name, b in benches.items():
+                b.forward_ms(m)  # warm-up: packing, allocator, thread pool
+            for _ in range(REPEATS):
+                for name, b in benches.items():
+                    ms = b.forward_ms(m)
+                    out[name][m] = min(out[name].get(m, ms), ms)
+    return out
+
+
+def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath]) -> str:
+    """What makes a profile valid: this CPU and torch, the thread count, the shapes, the paths."""
+    cpu = cpu_info()
+    parts = [cpu.model, " ".join(cpu.flags), cpu.capability, torch.__version__, str(torch.get_num_threads()),
+             device, str(linear_shapes(cfg)), str((cfg.num_layers, cfg.vocab_size, cfg.hidden_size)),
+             ",".join(p.name for p in paths), str(PROFILE_M)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], cache: Path | None,
+                  refresh: bool = False) -> tuple[dict[str, dict[int, float]], bool]:
+    """(path name -> M -> ms, whether it came from the cache). A single candidate is not measured."""
+    if len(paths) == 1:
+        return {paths[0].name: {m: float(m) for m in PROFILE_M}}, False
+    file = None if cache is None else cache / "kernels" / f"{profile_key(cfg, device, paths)}.json"
+    if file is not None and file.exists() and not refresh:
+        raw = json.loads(file.read_text())
+        return {p: {int(m): ms for m, ms in t.items()} for p, t in raw["table"].items()}, True
+    table = measure_paths(paths, cfg)
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"cpu": cpu_info().as_dict(), "torch": torch.__version__,
+                                   "threads": torch.get_num_threads(), "measured": time.time(), "table": table},
+                                  indent=1))
+        tmp.replace(file)
+    return table, False
+
+
+def machine_busy() -> bool:
+    """Whether other processes already load the CPU (1-minute load average above the core count): a profile
+    measured then says more about them than about the kernels, so it is used for this run but not cached."""
+    try:
+        import os
+
+        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
+    except (AttributeError, OSError):
+        return False
+
+
+def resolve_path(dtype: str, quantization: str | None, device: str, cfg: ModelConfig, gguf_int4: bool,
+                 num_speculative_tokens: int = 0, cache: Path | None = None, refresh: bool = False) -> PathChoice:
+    """The weight path a model runs on. An explicit dtype (or quantization) names it; dtype="auto" measures
+    the candidates for this model, device and CPU (cached per machine) and takes the cheapest expected step."""
+    from verispec.execution.paths import candidates, path_for
+
+    cpu = cpu_info()
+    if dtype != "auto" or quantization is not None:
+        explicit = path_for("bfloat16" if dtype == "auto" else dtype, quantization)
+        return PathChoice(explicit, (), {}, cpu, cached=False, explicit=True)
+    paths = candidates(device, gguf_int4)
+    table, cached = profile_paths(cfg, device, paths, None if machine_busy() else cache, refresh)
+    return choose(paths, table, typical_blocks(num_speculative_tokens), cpu, cached)
