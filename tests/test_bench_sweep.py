@@ -94,6 +94,9 @@ def test_prometheus_parsing_of_three_families() -> None:
     assert d["tau"] == 3.0 and d["acceptance_rate"] == 0.6 and d["tau_sampled_mean"] == 3.5
     assert d["spec_source"].startswith("sglang")
 
+    info = 'verispec:engine_config_info{path="gguf-int4",dtype="bfloat16",cpu_flags="avx2 fma"} 1.0\n'
+    assert parse_spec_metrics("# TYPE verispec:engine_config_info gauge\n" + info).config == {
+        "path": "gguf-int4", "dtype": "bfloat16", "cpu_flags": "avx2 fma"}
     nothing = parse_spec_metrics("# TYPE up gauge\nup 1\n")
     assert nothing.family is None and math.isnan(spec_delta(nothing, nothing)["tau"])
     restarted = spec_delta(after, before)  # counters went backwards
@@ -233,6 +236,9 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert per_pos == [sum(s._req.spec.accepted_at[i] for m, s in streams if m == MAX_TOKENS) for i in range(3)]
     for row in rows:
         assert row["tau"] == pytest.approx(1 + row["accepted"] / row["drafts"]) and row["tau"] > 1.5
+    # the report says which weight path the server ran, read from its /metrics (the tiny target runs fp32)
+    engine_notes = [n for n in rep["notes"] if n.startswith("Engine ")]
+    assert len(engine_notes) == 1 and "weight path fp32 (dtype float32" in engine_notes[0], rep["notes"]
 
 
 # ---- a server that never answers ----------------------------------------------------------------------------

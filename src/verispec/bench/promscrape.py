@@ -30,6 +30,7 @@ COUNTERS = {"drafts": "spec_decode_num_drafts", "draft_tokens": "spec_decode_num
             "accepted": "spec_decode_num_accepted_tokens"}
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 SGLANG_GAUGES = {"accept_length": "sglang:spec_accept_length", "accept_rate": "sglang:spec_accept_rate"}
+CONFIG_INFO = "verispec:engine_config_info"  # which weight path ran, on which CPU (labels)
 BUSY_GAUGES = {"verispec:num_requests_running", "verispec:num_requests_waiting", "vllm:num_requests_running",
                "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs"}
 
@@ -45,6 +46,7 @@ class SpecSnapshot:
     per_pos: dict[int, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)  # SGLang's accept_length / accept_rate
     busy: float | None = None  # requests running + waiting, where the server exports them
+    config: dict[str, str] = field(default_factory=dict)  # verispec's engine_config_info labels: path, CPU flags
 
 
 def _counter_name(sample_name: str) -> str:
@@ -58,8 +60,11 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     seen: set[str] = set()
     gauge_n: dict[str, int] = {}
     busy: float | None = None
+    config: dict[str, str] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
+            if s.name == CONFIG_INFO:
+                config = dict(s.labels)
             if s.name in BUSY_GAUGES:
                 busy = (busy or 0.0) + s.value
             name = _counter_name(s.name)
@@ -84,9 +89,9 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
         found["sglang"].gauges[key] /= n
     for f in (*FAMILIES, "sglang"):
         if f in seen:
-            found[f].busy = busy
+            found[f].busy, found[f].config = busy, config
             return found[f]
-    return SpecSnapshot(busy=busy)
+    return SpecSnapshot(busy=busy, config=config)
 
 
 def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
@@ -96,6 +101,8 @@ def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
     nan = float("nan")
     out: dict[str, Any] = {"spec_source": "none", "drafts": nan, "draft_tokens": nan, "accepted": nan,
                            "acceptance_rate": nan, "tau": nan, "per_pos_accepted": [], "per_pos_acceptance": []}
+    if after is not None and after.config:
+        out["engine_config"] = dict(after.config)
     if before is None or after is None or after.family is None:
         return out
     out["spec_source"] = after.family

@@ -212,6 +212,18 @@ def figures(rows: Sequence[dict[str, Any]], levels: Sequence[Level], endpoints: 
     return figs
 
 
+def engine_config_notes(results: dict[str, list[LevelResult]]) -> list[str]:
+    """One note per endpoint that exports verispec's engine_config_info: the weight path it ran, on which CPU."""
+    seen: dict[str, dict[str, str]] = {}
+    for r in (r for rs in results.values() for r in rs):
+        if r.spec.get("engine_config"):
+            seen.setdefault(r.endpoint, r.spec["engine_config"])
+    return [f"Engine {label}: weight path {c.get('path', '?')} (dtype {c.get('dtype', '?')}, quantization "
+            f"{c.get('quantization', '?')}, chosen by {c.get('path_chosen_by', '?')}) on {c.get('device', '?')}, CPU "
+            f"{c.get('cpu', '?')} [{c.get('cpu_flags', '')}] capability {c.get('cpu_capability', '?')}"
+            for label, c in seen.items()]
+
+
 def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, clients: Sequence[Any],
                  results: dict[str, list[LevelResult]], pool: Sequence[Any]) -> Report:
     slo = (args.slo_ttft, args.slo_tpot, args.slo_e2e)
@@ -243,7 +255,7 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
         baseline = ("none: one endpoint only, no speculation-off comparison; identity is against this endpoint's "
                     f"own {ref.name} output")
     slo_txt = ", ".join(f"{k} <= {v:g} s" for k, v in zip(("TTFT", "TPOT", "E2E"), slo) if v is not None)
-    notes = [
+    notes = [*engine_config_notes(results),
         "Endpoints: " + "; ".join(f"{c.label} = {c.base} (model {c.model!r}, {args.api} API, token counts from "
                                   f"{c.caps.token_source}{': ' + c.caps.note if c.caps.note else ''})"
                                   for c in clients),
