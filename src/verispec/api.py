@@ -19,6 +19,7 @@ from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.costs import StepCosts
 from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
+from verispec.execution.invariance import linears_row_invariant
 from verispec.execution.profile import profile_costs, profile_step_costs
 from verispec.execution.sampling import SamplingParams
 from verispec.execution.verify import AcceptanceConfig
@@ -76,14 +77,16 @@ class LLM:
         scheduler: str | None = None,
         max_num_batched_tokens: int | None = None,
         quantization: str | None = None,
+        invariant: bool | None = None,
     ) -> None:
         self.device = device or default_device()
         self.resolved = resolve(model, progress)
         spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))  # bad input fails first
-        self.path_choice = self._choose_path(self.resolved, dtype, quantization, spec, progress)
+        self.path_choice = self._choose_path(self.resolved, dtype, quantization, spec, progress, invariant)
         self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
         self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=progress,
                                    quantization=self.quantization)
+        self._set_invariance(invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
         # each of the max_num_seqs KV slots holds max_model_len positions (fp32 on CPU: 46 KB per position for the
@@ -103,18 +106,32 @@ class LLM:
         self._set_speculation(speculative_config)
 
     def _choose_path(self, resolved: ResolvedModel, dtype: str, quantization: str | None, spec: SpeculativeConfig,
-                     progress: bool) -> PathChoice:
+                     progress: bool, invariant: bool | None) -> PathChoice:
         """The weight path: named by dtype / quantization, or measured for this machine when dtype="auto"
         (execution/autotune.py) for the blocks `spec` verifies; said on stderr when `progress` is on, and in
         every output's stats."""
         k = 0 if spec.method == "none" else spec.num_speculative_tokens
         cfg = ModelConfig.from_hf(read_config(resolved.directory))
         choice = resolve_path(dtype, quantization, self.device, cfg, gguf_has_int4_linears(resolved), k,
-                              cache=hub.cache_dir())
+                              cache=hub.cache_dir(), invariant_only=bool(invariant))
         log.info("%s", choice.describe())
         if progress and not choice.explicit:
             print(f"verispec: {choice.describe()}", file=sys.stderr, flush=True)
         return choice
+
+    def _set_invariance(self, invariant: bool | None) -> None:
+        """Batch invariance: a token's logits the same alone, in a verify block or beside other requests, so
+        greedy speculative output equals plain output bitwise. Measured on the loaded weights
+        (execution/invariance.py); None turns it on where the linears pass, True requires it, False turns it off
+        (blocked attention: cheaper verify blocks, identity up to near-ties)."""
+        self.linear_invariance = linears_row_invariant(self.model)
+        measured = all(self.linear_invariance.values())
+        if invariant and not measured:
+            bad = ", ".join(n for n, ok in self.linear_invariance.items() if not ok)
+            raise ValueError(
+                f"invariant=True, but on this machine the {self.path_choice.path.name} path's linears round a row "
+                f"differently by batch size (measured: {bad}); use dtype='bfloat16' or quantization='gguf'")
+        self.model.batch_invariant = measured if invariant is None else invariant
 
     def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
         self.spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
@@ -325,6 +342,7 @@ class LLM:
         stats.update(req.spec.as_dict())
         stats["method"] = self.spec.method
         stats.update(self.path_choice.as_dict())
+        stats["batch_invariant"] = self.model.batch_invariant
         stats["scheduler"] = self.scheduler_name
         return RequestOutput(
             request_id=req.request_id,

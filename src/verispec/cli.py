@@ -24,6 +24,10 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
                         "int4 blocks; bf16 on CUDA); the choice is printed and reported in stats and /metrics")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--invariant", default=None, action=argparse.BooleanOptionalAction,
+                   help="batch invariance (a token's logits the same alone, in a verify block or beside other "
+                        "requests: greedy speculative output == plain bitwise). Default: on where the path's "
+                        "linears measure row-invariant; --invariant requires it, --no-invariant turns it off")
     p.add_argument("--quantization", default=None, choices=["gguf"],
                    help="gguf: run a .gguf model's own Q4_0 / Q4_1 weights on the CPU int4 kernel (bf16 activations, "
                         "batch-invariant: speculative greedy output equals plain bitwise); default: dense weights")
@@ -228,7 +232,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = _spec_config(args)
     kind, prompt = _build_prompt(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=spec, check_state=args.check_state, quantization=args.quantization)
+              speculative_config=spec, check_state=args.check_state, quantization=args.quantization,
+              invariant=args.invariant)
     streamer = None if args.json else TextStreamer(llm)
     run = llm.chat if kind == "chat" else llm.generate
     out = run(prompt, params, use_tqdm=False, on_tokens=streamer)[0]
@@ -261,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # one full-length KV slot per running request: a 2048-token default keeps 16 slots near 1.5 GB on CPU
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
               speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
-              scheduler=args.scheduler, quantization=args.quantization)
+              scheduler=args.scheduler, quantization=args.quantization, invariant=args.invariant)
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
     app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key)
     run_server(app, args.host, args.port, log_level=args.log_level)

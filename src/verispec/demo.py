@@ -24,7 +24,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"verispec demo: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     # dtype="auto" chooses the weight path for the blocks the drafters verify (k = 8, as run_single runs them)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
-              max_num_seqs=1, quantization=args.quantization, speculative_config=method_spec(MODEL_FREE_METHODS[0], K))
+              max_num_seqs=1, quantization=args.quantization, speculative_config=method_spec(MODEL_FREE_METHODS[0], K),
+              invariant=args.invariant)
     rep = run_single(model=args.model, methods=MODEL_FREE_METHODS, workloads=WORKLOADS, limit=1, repeats=1,
                      max_tokens=args.max_tokens, llm=llm, k=K)
     paths = write_report(rep, args.out)

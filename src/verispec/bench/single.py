@@ -68,13 +68,14 @@ def traced_peak(llm, ids, params) -> int:
 
 def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
-               device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None) -> Report:
+               device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None,
+               invariant: bool | None = None) -> Report:
     from verispec import LLM, SamplingParams
 
     # dtype="auto" picks the path for the engine's blocks with k drafts: the first method's configuration
     first_spec = method_spec(methods[0], k) if methods else None
     base = llm or LLM(model, dtype=dtype, device=device, max_model_len=2048, max_num_seqs=1, progress=progress,
-                      quantization=quantization, speculative_config=first_spec)
+                      quantization=quantization, speculative_config=first_spec, invariant=invariant)
     engines = {"none": base.with_speculation(None)}
     for m in methods:
         engines[m] = base.with_speculation(method_spec(m, k))
@@ -233,7 +234,8 @@ def run_single_cli(args: argparse.Namespace) -> int:
     rep = run_single(model=args.model, dtype=args.dtype,
                      methods=[m for m in args.methods.split(",") if m], workloads=args.workloads.split(","),
                      limit=args.limit, repeats=args.repeats, max_tokens=args.max_tokens,
-                     k=args.num_speculative_tokens, device=args.device or "cpu", quantization=args.quantization)
+                     k=args.num_speculative_tokens, device=args.device or "cpu", quantization=args.quantization,
+                     invariant=args.invariant)
     paths = write_report(rep, args.out)
     from verispec.bench.report import markdown_table
 

@@ -124,7 +124,8 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
     from verispec.engine.background import EngineOverloaded, RequestTooLong
 
     served = served_model(llm, model_name)
-    metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device})
+    metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
+                                              "batch_invariant": llm.model.batch_invariant})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
