@@ -1,0 +1,161 @@
+"""Numerical agreement of each weight path of the default model with a dense fp32 reference.
+
+Conditions:
+  - Model: smollm2-135m-instruct (the cached GGUF, SmolLM2-135M-Instruct Q4_1), CPU.
+  - Reference: `fp32` = dense float32 weights dequantised from that GGUF. Paths compared with it: `bf16` (the same
+    dense weights cast to bfloat16) and `gguf-int4` (`quantization="gguf"`: the GGUF's own Q4_1 blocks on aten's
+    int4 kernel, bfloat16 activations). The `fp32` row is the reference compared with itself (a sanity row).
+  - Prompts: the first --limit prompts (default 2) of each shipped workload (default all), chat template applied.
+  - Teacher forcing: the reference decodes a greedy continuation of T = --tokens (default 64) tokens
+    (ignore_eos, so every continuation has exactly T tokens); then every path runs prompt + continuation in ONE
+    forward (`prefill_fresh`) and its logits at the T positions that predict the continuation are compared row by
+    row with the reference's: top-1 = fraction of positions whose argmax equals the reference's argmax; max / p99 /
+    median of |logit - reference logit| over all positions x vocabulary entries.
+  - Greedy divergence: every path also decodes its own free-running greedy continuation of T tokens (verispec
+    `LLM.generate`, temperature 0, ignore_eos); first_div = index of its first token that differs from the
+    reference continuation (T when none does), reported as median (min..max); identical = prompts whose T tokens
+    all match. `tf_vs_gen` (footer) = positions where the reference's teacher-forced argmax equals the token its
+    own engine decode chose (the one-forward vs step-by-step check of the reference itself).
+  - Not compared: llama.cpp's own output on the same GGUF. llama-cpp-python has no wheel for this platform and
+    builds from source in ~14 min on the 2-core reference machine (see benchmarks/llama_cpp_sweep.sh); no
+    prebuilt llama.cpp binary was found here, so no llama.cpp row is reported.
+
+    python benchmarks/agreement.py --limit 2 --tokens 64 --json agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from verispec import LLM, SamplingParams
+from verispec.bench.workloads import WORKLOADS, load_workload
+
+PATHS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
+         "gguf-int4": dict(dtype="bfloat16", quantization="gguf")}
+REFERENCE = "fp32"
+
+
+def build(model: str, paths: list[str]) -> dict[str, LLM]:
+    """One LLM per path; the reference first."""
+    order = [REFERENCE] + [p for p in paths if p != REFERENCE]
+    return {p: LLM(model, device="cpu", max_model_len=2048, max_num_seqs=1, progress=False, **PATHS[p])
+            for p in order}
+
+
+def prompt_ids(llm: LLM, wp) -> list[int]:
+    text = llm.apply_chat_template(list(wp.messages))
+    return list(llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def greedy(llm: LLM, ids: list[int], tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return list(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
+
+
+def teacher_logits(llm: LLM, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """float32 [T, vocab]: the logits predicting ids[n_prompt:], from one forward over all of ids."""
+    _, _, out = llm.model.prefill_fresh(ids, logits_indices=range(n_prompt - 1, len(ids) - 1))
+    return out.logits.float()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_prompt(llms: dict[str, LLM], wp, tokens: int) -> tuple[list[dict], dict[str, np.ndarray], dict]:
+    ref = llms[REFERENCE]
+    ids = prompt_ids(ref, wp)
+    cont = greedy(ref, ids, tokens)
+    full = ids + cont
+    ref_logits = teacher_logits(ref, full, len(ids))
+    ref_top = ref_logits.argmax(-1)
+    sanity = {"prompt": wp.id, "tf_vs_gen": int((ref_top == torch.tensor(cont)).sum()), "positions": len(cont)}
+    records, diffs = [], {}
+    for path, llm in llms.items():
+        logits = ref_logits if path == REFERENCE else teacher_logits(llm, full, len(ids))
+        own = cont if path == REFERENCE else greedy(llm, ids, tokens)
+        diffs[path] = (logits - ref_logits).abs().flatten().numpy()
+        records.append({"workload": wp.workload, "prompt": wp.id, "path": path, "positions": len(cont),
+                        "top1_match": int((logits.argmax(-1) == ref_top).sum()),
+                        "first_div": first_divergence(own, cont), "identical": own == cont, "tokens": own})
+    return records, diffs, sanity
+
+
+def run(args) -> tuple[list[dict], dict[tuple[str, str], list[np.ndarray]], list[dict]]:
+    llms = build(args.model, args.paths.split(","))
+    records, diffs, sanity = [], {}, []
+    for wl in args.workloads.split(","):
+        for wp in load_workload(wl, limit=args.limit):
+            recs, d, s = run_prompt(llms, wp, args.tokens)
+            records += recs
+            sanity.append(s)
+            for path, arr in d.items():
+                diffs.setdefault((wl, path), []).append(arr)
+            print(f"{wl} {wp.id} done", file=sys.stderr, flush=True)
+    return records, diffs, sanity
+
+
+def summarise(group: str, path: str, recs: list[dict], arrs: list[np.ndarray]) -> dict:
+    d = np.concatenate(arrs)
+    fd = [r["first_div"] for r in recs]
+    return {"workload": group, "path": path, "prompts": len(recs),
+            "top1": sum(r["top1_match"] for r in recs) / sum(r["positions"] for r in recs),
+            "max_diff": float(d.max()), "p99_diff": float(np.percentile(d, 99)),
+            "median_diff": float(np.median(d)),
+            "first_div": f"{statistics.median(fd):g} ({min(fd)}..{max(fd)})",
+            "identical": f"{sum(r['identical'] for r in recs)}/{len(recs)}"}
+
+
+def rows(records: list[dict], diffs: dict) -> list[dict]:
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    paths = list(dict.fromkeys(r["path"] for r in records))
+    out = []
+    for wl in workloads + ["all"]:
+        for path in paths:
+            recs = [r for r in records if r["path"] == path and wl in ("all", r["workload"])]
+            arrs = [a for (w, p), xs in diffs.items() if p == path and wl in ("all", w) for a in xs]
+            out.append(summarise(wl, path, recs, arrs))
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    cols = ["workload", "path", "prompts", "top1", "max_diff", "p99_diff", "median_diff", "first_div", "identical"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in table:
+        cells = [f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--limit", type=int, default=2, help="prompts per workload")
+    p.add_argument("--tokens", type=int, default=64, help="T: continuation length")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    records, diffs, sanity = run(args)
+    table = rows(records, diffs)
+    print(f"Reference: {REFERENCE} (dense, dequantised from the GGUF); model {args.model}; T = {args.tokens}; "
+          f"{args.limit} prompt(s) per workload; torch {torch.__version__}, {torch.get_num_threads()} threads.\n")
+    print(markdown(table))
+    tf = sum(s["tf_vs_gen"] for s in sanity)
+    print(f"\ntf_vs_gen: {tf}/{sum(s['positions'] for s in sanity)} positions (reference teacher-forced argmax == "
+          "its own decoded token).")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "rows": table, "records": records,
+                       "sanity": sanity}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
