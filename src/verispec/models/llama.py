@@ -6,7 +6,11 @@ their K/V into the cache at their positions, and attends per sequence with the r
 Linear layers run once over all N flattened tokens.
 
 `LlamaModel.forward` reserves the segments' blocks in the cache, builds one `AttentionContext` (the RoPE rows
-of the new positions, the segments, their masks, the cache) and runs every `Layer.forward(x, ctx)` with it.
+of the new positions, the segments, the attention plan per window size, the cache) and runs every
+`Layer.forward(x, ctx)` with it. The plan (models/attention.py) batches the attention of many sequences into few
+calls per layer. On CPU at one token per step a layer is ~60 small ops besides its 4 matmuls, each costing
+microseconds of dispatch, so the layer code keeps that count low (in-place ops, no Python-number operands, one
+dtype conversion of q per layer, views instead of copies) without changing the arithmetic.
 `LlamaModel.prefill` / `prefill_fresh` are the one "forward over tokens in an empty slot, then commit" helper.
 Weights keep their fused names (`layer.qkv`, `layer.o`, `layer.gate_up`, `layer.attn_norm`, ...): the loader,
 the drafters and `load_hf_state_dict` address them directly.
@@ -14,6 +18,7 @@ the drafters and `load_hf_state_dict` address them directly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -22,11 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ModelConfig
+from verispec.models.attention import AttentionPlan, CacheShape, attend_group, kv_rows, plan_attention
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.state.kv_cache import KVCache
-
-# per window size (None = full attention): (first key position read, bool [n, keys] True = hidden, or None)
-MaskTable = dict[int | None, tuple[int, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,10 @@ class AttentionContext:
     cos: torch.Tensor  # [N, 1, head_dim] RoPE cosines of the N new positions, in the model's dtype
     sin: torch.Tensor  # [N, 1, head_dim] signed sines (see models/rope.py), in the model's dtype
     segments: tuple[Segment, ...]  # the N rows, in segment order
-    masks: tuple[MaskTable, ...]  # one per segment
+    plans: dict[int | None, AttentionPlan]  # per window size (None = full attention): the attention's groups
     cache: KVCache  # each layer writes its K/V here (its own `Layer.index`) and reads the keys back
-    per_query: bool = False  # attend one query position at a time (`LlamaModel.batch_invariant`)
+    per_query: bool = False  # every query position attends alone-shaped (`LlamaModel.batch_invariant`)
+    kv_rows: torch.Tensor | None = None  # [N K] cache rows of the new K/V when there are several segments
 
 
 @dataclass
@@ -59,24 +63,22 @@ class ForwardOutput:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., d], w: [d] -> [..., d]. HF's arithmetic: normalise in fp32, round to x's dtype, then scale."""
-    # On CPU these few small ops are cheaper than F.rms_norm, whose generic kernel costs more than the whole
-    # formula for one token.
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    xf = x.float()  # [..., d]
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):  # drafters train through it
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    # The same arithmetic in fewer, cheaper ops (this runs twice per layer per forward): x*x is pow(x, 2), mean is
+    # sum / d, eps + sum / d is one addcdiv (the same two roundings), in-place where the tensor is ours, and the
+    # scalars as cached fp32 tensors (a Python number makes an op convert a wrapped scalar first).
+    ss = (xf * xf).sum(-1, keepdim=True)  # [..., 1]
+    r = torch.addcdiv(_fp32_scalar(eps, x.device), ss, _fp32_scalar(x.shape[-1], x.device)).rsqrt_()
+    y = (xf * r if xf is x else xf.mul_(r)).to(x.dtype)  # normalised, rounded to x's dtype
+    return y.mul_(w) if w.dtype == y.dtype else w * y
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
-    """q: [K, M, hd]; k, v: [K, L, hd]; blocked: [M, L] True where a key is hidden. Returns [K, M, hd].
-
-    On CUDA this is SDPA's fused kernel. On CPU an explicit softmax(q k^T / sqrt(hd)) v in the cache's dtype
-    (fp32 on CPU, where bf16 batched matmuls are slow), far cheaper than SDPA's CPU fallback for short blocks.
-    """
-    if q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if blocked is None else ~blocked)
-    scores = torch.bmm(q.to(k.dtype), k.transpose(1, 2)).mul_(q.shape[-1] ** -0.5)  # [K, M, L]
-    if blocked is not None:
-        scores.masked_fill_(blocked, float("-inf"))
-    return torch.bmm(torch.softmax(scores, dim=-1), v).to(q.dtype)
+@functools.lru_cache(maxsize=None)
+def _fp32_scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 tensor holding `value`: the operand an op would otherwise build from a Python number."""
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
 # A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
@@ -85,18 +87,19 @@ Weight = torch.Tensor | nn.Module
 
 
 def _linear(h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    """h: [N, in] -> h W^T (+ b): [N, out]."""
+    """h: [N, in] -> h W^T (+ b): [N, out]. A kernel module's `forward` is called directly: no hooks to run."""
     if isinstance(w, torch.Tensor):
         return F.linear(h, w, b)
-    y = w(h)  # [N, out]
-    return y if b is None else y + b
+    y = w.forward(h)  # [N, out], a new tensor
+    return y if b is None else (y.add_(b) if y.dtype == b.dtype else y + b)
 
 
 def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
     """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when W is a tensor and there is no bias."""
     if b is None and isinstance(w, torch.Tensor):
         return torch.addmm(x, h, w.t())
-    return x + _linear(h, w, b)
+    y = _linear(h, w, b)  # a new tensor: add the residual in place (x + y == y + x)
+    return y.add_(x) if y.dtype == x.dtype else x + y
 
 
 class Layer(nn.Module):
@@ -134,60 +137,46 @@ class Layer(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
         n, H, K, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear(rms_norm(x, self.attn_norm, self.eps), self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
-        v = qkv[:, (H + K) * hd :].view(n, K, hd)
+        qkv = _linear(rms_norm(x, self.attn_norm, self.eps), self.qkv, self.qkv_bias).view(n, H + 2 * K, hd)
         if self.q_norm is None:  # rotate q and k together: [N, H + K, hd]
-            qk = apply_rope(qkv[:, : (H + K) * hd].view(n, H + K, hd), cos, sin)
-            return qk[:, :H], qk[:, H:], v
-        q = rms_norm(qkv[:, : H * hd].view(n, H, hd), self.q_norm, self.eps)
-        k = rms_norm(qkv[:, H * hd : (H + K) * hd].view(n, K, hd), self.k_norm, self.eps)  # type: ignore[arg-type]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            qk = apply_rope(qkv[:, : H + K], cos, sin)
+            return qk[:, :H], qk[:, H:], qkv[:, H + K :]
+        q = rms_norm(qkv[:, :H], self.q_norm, self.eps)
+        k = rms_norm(qkv[:, H : H + K], self.k_norm, self.eps)  # type: ignore[arg-type]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), qkv[:, H + K :]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """q: [N, H, hd]; k, v: [N, K, hd]. Writes k, v to the cache, attends per segment; returns [N, H hd]."""
-        H, K, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        G = H // K
-        cache, li = ctx.cache, self.index
-        outs = []
-        off = 0
-        for s, m in zip(ctx.segments, ctx.masks):
-            n, end = s.length, s.start + s.length
-            cache.write(li, s.slot, s.start, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1))
-            if ctx.per_query:
-                outs.extend(self._attend_per_query(q[off : off + n], s, cache))
-                off += n
-                continue
-            lo, blocked = m[self.window]
-            keys = cache.k[li][s.slot, :, lo:end]  # [K, L, hd]
-            vals = cache.v[li][s.slot, :, lo:end]
-            # group the G query heads that share one KV head: [n, H, hd] -> [K, G n, hd]
-            qs = q[off : off + n].transpose(0, 1).reshape(K, G * n, hd)
-            if blocked is not None:
-                blocked = blocked.repeat(G, 1)  # [G n, L], rows in the same (g, i) order as qs
-            o = _attention(qs, keys, vals, blocked)  # [K, G n, hd]
-            outs.append(o.reshape(H, n, hd).transpose(0, 1).reshape(n, H * hd))
-            off += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        """q: [N, H, hd]; k, v: [N, K, hd]. Writes k, v to the cache, then attends in the groups of the context's
+        plan for this layer's window (models/attention.py); returns [N, H hd] in q's dtype."""
+        self._write_kv(k, v, ctx)
+        plan = ctx.plans[self.window]
+        ck, cv = ctx.cache.k[self.index], ctx.cache.v[self.index]  # [slots, K, T, hd]
+        qf = q.to(ck.dtype)  # [N, H, hd]: CPU attends in the cache's fp32; one conversion for every row
+        if plan.order is not None:
+            qf = qf.index_select(0, plan.order)  # the rows grouped
+        if len(plan.groups) == 1:
+            o = attend_group(qf, plan.groups[0], ck, cv)  # [N, H hd]
+        else:
+            o = torch.cat([attend_group(qf[g.rows], g, ck, cv) for g in plan.groups])
+        if plan.restore is not None:
+            o = o.index_select(0, plan.restore)  # back to the block's row order
+        return o.to(q.dtype)
 
-    def _attend_per_query(self, q: torch.Tensor, s: Segment, cache: KVCache) -> list[torch.Tensor]:
-        """q: [n, H, hd] of segment s, whose K/V are written -> n rows [1, H hd], each computed exactly as a lone
-        decode step at its position computes it: the same shapes, so the same kernels and rounding, whatever the
-        block size or the other rows (batch invariance; CPU fp32 matmuls round differently by row count)."""
-        K, hd = self.num_kv_heads, self.head_dim
-        outs = []
-        for i in range(s.length):
-            pos = s.start + i
-            lo = 0 if self.window is None else max(0, pos - self.window + 1)
-            keys = cache.k[self.index][s.slot, :, lo : pos + 1]  # [K, L_i, hd]
-            vals = cache.v[self.index][s.slot, :, lo : pos + 1]
-            o = _attention(q[i].reshape(K, -1, hd).contiguous(), keys, vals, None)  # [K, G, hd]
-            outs.append(o.reshape(1, -1))  # [1, H hd]
-        return outs
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> None:
+        """k, v: [N, K, hd] -> the cache: a slice of the one segment's slot, or one indexed copy for many (their
+        blocks were opened by `LlamaModel._reserve`, which checks what `KVCache.write` checks)."""
+        cache, li = ctx.cache, self.index
+        if ctx.kv_rows is None:
+            s = ctx.segments[0]
+            cache.write(li, s.slot, s.start, k.transpose(0, 1), v.transpose(0, 1))
+            return
+        for layer, new in ((cache.k[li], k), (cache.v[li], v)):  # [slots, K, T, hd] <- [N, K, hd]
+            layer.view(-1, self.head_dim).index_copy_(0, ctx.kv_rows, new.to(layer.dtype).reshape(-1, self.head_dim))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
         gate, up = _linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return _residual_linear(x, F.silu(gate) * up, self.down, self.down_bias)  # gate, up: [N, I] each
+        return _residual_linear(x, F.silu(gate).mul_(up), self.down, self.down_bias)  # gate, up: [N, I] each
 
 
 class LlamaModel(nn.Module):
@@ -200,15 +189,18 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.set_rope_length(rope_len or cfg.max_position_embeddings)
         self._windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}  # None = full attention
-        # True: attention runs one query position at a time, so a token's logits do not depend on the block it is
-        # verified in or on the other requests of the forward when the linears are batch-invariant too
+        # True: every query position attends with shapes of its own (models/attention.py, per-query path), so a
+        # token's logits do not depend on the block it is verified in or on the other requests of the forward when
+        # the linears are batch-invariant too
         self.batch_invariant = False
+        self._rope_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # the RoPE tables in the model's dtype
 
     def set_rope_length(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0 .. n-1, in fp32 on the embedding's device (or meta)."""
         cos, sin = rope_tables(self.cfg, n, device=self.embed.device if not self.embed.is_meta else "meta")
         self.register_buffer("rope_cos", cos, persistent=False)  # [n, head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._rope_cast = None
 
     @property
     def max_positions(self) -> int:
@@ -303,29 +295,32 @@ class LlamaModel(nn.Module):
             raise
 
     def _context(self, segments: Sequence[Segment], cache: KVCache) -> AttentionContext:
-        """The RoPE rows of the segments' N positions, their masks and the cache, shared by all layers."""
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)  # [N]
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # [N, 1, head_dim]
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
-        masks = tuple(self._masks(s) for s in segments)
-        return AttentionContext(cos, sin, tuple(segments), masks, cache, per_query=self.batch_invariant)
+        """The RoPE rows of the segments' N positions, the attention plan per window size and the cache, shared by
+        all layers."""
+        cos, sin = self._rope_rows(segments)
+        c = self.cfg
+        shape = CacheShape(c.num_heads, c.num_kv_heads, c.head_dim, cache.max_len, cache.k[0].dtype, self.device)
+        plans = {w: plan_attention(segments, w, self.batch_invariant, shape) for w in self._windows}
+        rows = None if len(segments) == 1 else kv_rows(segments, c.num_kv_heads, cache.max_len, self.device)
+        return AttentionContext(cos, sin, tuple(segments), plans, cache, self.batch_invariant, rows)
 
-    def _masks(self, s: Segment) -> MaskTable:
-        """Per window size (None = full): (first key position read, bool [length, keys] True = hidden, or None)."""
-        out: MaskTable = {}
-        end = s.start + s.length
-        q_pos = torch.arange(s.start, end, device=self.device).unsqueeze(1)  # [n, 1]
-        for w in self._windows:
-            lo = 0 if w is None else max(0, s.start - w + 1)
-            if s.length == 1:
-                out[w] = (lo, None)  # one query sees every key in [lo, end)
-                continue
-            k_pos = torch.arange(lo, end, device=self.device).unsqueeze(0)  # [1, keys]
-            blocked = k_pos > q_pos
-            if w is not None:
-                blocked |= k_pos <= q_pos - w
-            out[w] = (lo, blocked)
-        return out
+    def _rope_rows(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin: [N, 1, head_dim] in the model's dtype for the segments' positions (a view of the
+        tables for one segment)."""
+        cos, sin = self._rope_tables()
+        if len(segments) == 1:
+            s = segments[0]
+            return cos[s.start : s.start + s.length].unsqueeze(1), sin[s.start : s.start + s.length].unsqueeze(1)
+        positions = torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)], device=self.device)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [N, 1, head_dim]
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 RoPE tables rounded to the model's dtype once (elementwise, so rows are as if rounded per use),
+        redone when the model's dtype or device changed."""
+        cast = self._rope_cast
+        if cast is None or cast[0].dtype != self.dtype or cast[0].device != self.rope_cos.device:
+            cast = self._rope_cast = (self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype))
+        return cast
 
     def _head(self, x: torch.Tensor, segments: Sequence[Segment], logits_indices: torch.Tensor | Sequence[int] | None,
               return_last_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
