@@ -53,7 +53,7 @@ def run_level(llm: LLM, spec: dict | None, scheduler: str, conc: int, pool) -> d
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (the engine default: the measured fastest path) or a dtype")
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--policies", default="static,goodput,dspark")
     ap.add_argument("--drafter", default="ngram", choices=["ngram", "suffix"])

@@ -8,7 +8,7 @@ path of the run (speculation is judged against the fastest plain configuration, 
 taken on the same prompt and repeat, median (min..max). Greedy identity: speculative tokens == plain tokens of
 the same path, bitwise.
 
-    python benchmarks/weight_paths.py --limit 1 --max-tokens 64 --repeats 2 --json paths.json
+    python benchmarks/weight_paths.py --limit 1 --max-tokens 64 --repeats 2 [--dspark] --json paths.json
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def engines(args) -> dict[tuple[str, str], LLM]:
         out[(path, "none")] = base
         out[(path, "ngram")] = base.with_speculation(
             {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": False})
+        if args.dspark:  # ngram under the DSpark scheduler: verify where drafts survive, off where they do not
+            scheduled = base.with_speculation({"method": "ngram", "num_speculative_tokens": 8})
+            scheduled.configure_engine(scheduler="dspark")
+            out[(path, "ngram-dspark")] = scheduled
     return out
 
 
@@ -92,6 +96,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("-k", type=int, default=6, help="ngram draft tokens per step (static)")
+    p.add_argument("--dspark", action="store_true", help="also ngram (k = 8) under the dspark scheduler")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     flags = open("/proc/cpuinfo").read() if sys.platform.startswith("linux") else ""

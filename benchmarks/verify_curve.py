@@ -1,0 +1,96 @@
+"""The verify cost curve of every weight path: one whole target forward (linears, attention, norms, head) over a
+block of M new tokens after a fixed context, by M, for each path `dtype="auto"` can choose, and which one it chose.
+
+Conditions (MEASURE.md): concurrency 1 (one sequence, one forward at a time, in process); metric: median ms of one
+forward of M tokens after `--context` committed tokens, logits for all M rows (as a verify block computes them),
+and cost(M) / cost(1); baseline: each path's own M = 1, and the cheapest path at each M. The paths run
+interleaved (order rotated every repeat) so a noisy neighbour slows all of them alike. The auto line says which
+path `LLM(dtype="auto")` picks for plain decoding and for k = 8 drafts, from its profile of the linears.
+
+    python benchmarks/verify_curve.py [--repeats 5] [--context 256] [--json OUT]     (about 2 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from verispec.config import ModelConfig
+from verispec.execution.autotune import resolve_path
+from verispec.execution.invariance import linears_row_invariant
+from verispec.execution.paths import candidates, cpu_info
+from verispec.models import hub
+from verispec.models.llama import LlamaModel, Segment
+from verispec.models.loader import gguf_has_int4_linears, load_model, read_config, resolve
+
+MS = (1, 2, 4, 8, 16, 32)
+
+
+def forward_ms(model: LlamaModel, cache, slot: int, ids: torch.Tensor, context: int, m: int) -> float:
+    """ms of one forward of ids[context : context + m] as a block after `context` committed tokens."""
+    t = time.perf_counter()
+    model(ids[context : context + m], [Segment(slot, context, m)], cache, logits_indices=range(m))
+    ms = (time.perf_counter() - t) * 1e3
+    cache.rollback(slot, context)
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=hub.DEFAULT_MODEL)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    resolved = resolve(args.model, progress=False)
+    cfg = ModelConfig.from_hf(read_config(resolved.directory))
+    int4 = gguf_has_int4_linears(resolved)
+    paths = candidates("cpu", int4)
+    models = {p.name: load_model(resolved, dtype=p.dtype, quantization=p.quantization, progress=False)[0]
+              for p in paths}
+    for m in models.values():  # as the engine runs them: per-query attention where the linears are invariant
+        m.batch_invariant = all(linears_row_invariant(m).values())
+    ids = torch.arange(args.context + max(MS)) * 7 % cfg.vocab_size  # [context + max M]
+    caches = {}
+    for name, m in models.items():
+        cache = m.new_cache(args.context + max(MS))
+        slot = cache.allocate()
+        m.prefill(ids[: args.context], cache, slot)
+        caches[name] = (cache, slot)
+    times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in MS} for n in models}
+    names = list(models)
+    for r in range(args.repeats + 1):  # round 0 warms up
+        for m in MS:
+            order = names[r % len(names):] + names[: r % len(names)]
+            for n in order:
+                ms = forward_ms(models[n], *caches[n], ids, args.context, m)
+                if r:
+                    times[n][m].append(ms)
+    med = {n: {m: statistics.median(v) for m, v in t.items()} for n, t in times.items()}
+    plain = resolve_path("auto", None, "cpu", cfg, int4, 0, cache=hub.cache_dir())
+    spec = resolve_path("auto", None, "cpu", cfg, int4, 8, cache=hub.cache_dir())
+    report(med, args, plain.describe(), spec.describe(), {n: m.batch_invariant for n, m in models.items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ms": med, "cpu": cpu_info().as_dict(), "threads": torch.get_num_threads(),
+                       "auto_plain": plain.path.name, "auto_k8": spec.path.name, "context": args.context}, f)
+
+
+def report(med: dict[str, dict[int, float]], args, plain: str, spec: str, invariant: dict[str, bool]) -> None:
+    print(f"CPU {cpu_info().label()}; torch {torch.__version__}, {torch.get_num_threads()} threads; context "
+          f"{args.context}; median of {args.repeats} interleaved repeats; ms of one forward of M tokens")
+    print("\n| path | batch-invariant attention | " + " | ".join(f"M={m}" for m in MS) + " | cost(8)/cost(1) |")
+    print("|---|---|" + "---|" * (len(MS) + 1))
+    for n, t in med.items():
+        print(f"| {n} | {invariant[n]} | " + " | ".join(f"{t[m]:.1f}" for m in MS) + f" | {t[8] / t[1]:.2f} |")
+    best = {m: min(med, key=lambda n: med[n][m]) for m in MS}
+    print("| cheapest | | " + " | ".join(best[m] for m in MS) + " | |")
+    print(f"\nauto, plain decoding: {plain}\nauto, k = 8 drafts: {spec}")
+
+
+if __name__ == "__main__":
+    main()
