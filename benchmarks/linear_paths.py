@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 
 from verispec.execution.int4 import Int4Weight
+from verispec.execution.paths import cpu_info
 from verispec.models.gguf_blocks import Blocks, read_blocks
 
 MS = (1, 2, 4, 8, 16, 32)
@@ -34,19 +35,8 @@ INVARIANCE_MS = (2, 4, 8, 16)
 # per layer: (name, the GGUF tensors fused along N)
 LINEARS = (("qkv", ("attn_q", "attn_k", "attn_v")), ("o", ("attn_output",)),
            ("gate_up", ("ffn_gate", "ffn_up")), ("down", ("ffn_down",)))
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N]
-
-
-def cpu_flags() -> dict[str, bool]:
-    """Which of CPU_FLAGS /proc/cpuinfo lists (all False where it is unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    return {f: f in flags for f in CPU_FLAGS}
 
 
 def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +144,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     gguf_path = a.gguf or _default_gguf()
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_flags": cpu_flags(),
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_info().label(),
            "gguf": str(gguf_path), "layers": a.layers, "repeats": a.repeats}
     print(json.dumps(env))
     torch.manual_seed(0)

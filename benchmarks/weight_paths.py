@@ -23,6 +23,7 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.execution.paths import cpu_info
 
 PATHS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
          "gguf-int4": dict(dtype="bfloat16", quantization="gguf")}
@@ -99,9 +100,8 @@ def main() -> int:
     p.add_argument("--dspark", action="store_true", help="also ngram (k = 8) under the dspark scheduler")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    flags = open("/proc/cpuinfo").read() if sys.platform.startswith("linux") else ""
-    cpu = {f: f" {f} " in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile")}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu flags {cpu}", file=sys.stderr)
+    cpu = cpu_info().as_dict()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_info().label()}", file=sys.stderr)
     records = run(args)
     rows = summarise(records)
     cols = ["path", "method", "tok_per_s", "decode_ms_per_token", "vs_own_plain", "vs_fastest_plain", "tau",

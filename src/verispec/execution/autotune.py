@@ -27,6 +27,7 @@ import torch
 
 from verispec.config import ModelConfig
 from verispec.execution.paths import CpuInfo, WeightPath, cpu_info
+from verispec.models.loader import parse_dtype
 
 PROFILE_M = (1, 4, 8, 16)  # tokens per forward the profile times
 REPEATS = 5  # timed rounds per M after a warm-up; each path keeps its fastest
@@ -92,16 +93,16 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(q_out + 2 * kv_out, d), (d, q_out), (2 * cfg.intermediate_size, d), (d, cfg.intermediate_size)]
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STREAM_BYTES = 64 * 2**20  # weights cycled through per timed pass: more than a last-level cache holds
 
 
 def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """An [N, K] linear in the path's format with random weights: (x [M, K] -> [M, N], its bytes)."""
-    dtype = DTYPES[path.dtype]
+    from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
+
+    dtype = parse_dtype(path.dtype)
     g = torch.Generator().manual_seed(seed)
-    if path.quantization == "gguf" and n % 16 == 0 and k % 32 == 0:
-        from verispec.execution.int4 import GROUP, Int4Weight
+    if path.quantization == "gguf" and n % N_MULTIPLE == 0 and k % GROUP == 0:
 
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // GROUP, generator=g) / 50,
                        torch.zeros(n, k // GROUP), dtype=dtype)
@@ -116,7 +117,7 @@ class _PathBench:
     fits in, and the dense output head."""
 
     def __init__(self, path: WeightPath, cfg: ModelConfig) -> None:
-        self.cfg, self.dtype, self.shapes = cfg, DTYPES[path.dtype], linear_shapes(cfg)
+        self.cfg, self.dtype, self.shapes = cfg, parse_dtype(path.dtype), linear_shapes(cfg)
         first = [_linear_fn(path, n, k, i) for i, (n, k) in enumerate(self.shapes)]
         self.copies = max(1, min(cfg.num_layers, STREAM_BYTES // max(1, sum(b for _, b in first))))
         self.layers = [[f for f, _ in first]] + [
@@ -146,7 +147,7 @@ def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig) -> dict[str, di
     out: dict[str, dict[int, float]] = {p.name: {} for p in paths}
     with torch.inference_mode():
         for m in PROFILE_M:
-            for name, b in benches.items():
+            for b in benches.values():
                 b.forward_ms(m)  # warm-up: packing, allocator, thread pool
             for _ in range(REPEATS):
                 for name, b in benches.items():
