@@ -66,6 +66,17 @@ def traced_peak(llm, ids, params) -> int:
         tracemalloc.stop()
 
 
+def method_engines(base, methods, k: int) -> dict[str, Any]:
+    """Plain decoding ("none") and each method over `base`'s weights, their step costs profiled before timing."""
+    engines = {"none": base.with_speculation(None)}
+    for m in methods:
+        engines[m] = base.with_speculation(method_spec(m, k))
+    for e in engines.values():
+        if e.spec.method != "none":
+            _ = e.costs  # profile once, before anything is timed
+    return engines
+
+
 def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
                device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None,
@@ -76,12 +87,7 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     first_spec = method_spec(methods[0], k) if methods else None
     base = llm or LLM(model, dtype=dtype, device=device, max_model_len=2048, max_num_seqs=1, progress=progress,
                       quantization=quantization, speculative_config=first_spec, invariant=invariant)
-    engines = {"none": base.with_speculation(None)}
-    for m in methods:
-        engines[m] = base.with_speculation(method_spec(m, k))
-    for e in engines.values():
-        if e.spec.method != "none":
-            _ = e.costs  # profile once, before anything is timed
+    engines = method_engines(base, methods, k)
     sets = {str(w): load_workload(w, limit=limit) for w in workloads}
     records: list[dict[str, Any]] = []
     total = sum(len(p) for p in sets.values()) * repeats * len(engines)
