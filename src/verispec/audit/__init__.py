@@ -1,0 +1,1 @@
+"""`verispec audit`: paired quality per domain (shipped prompts, offline graders) between two configurations."""
