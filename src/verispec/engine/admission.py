@@ -1,0 +1,41 @@
+"""Admission by free KV blocks, and when the next step would run out of them, which request to preempt.
+
+Counting only: how many blocks of the paged cache (state/paged_kv.py) the next step can take at most, and how many
+a waiting request needs to be prefilled and take its first decode block. The engine admits a request only when
+both fit in the free blocks (cached prefix blocks count as free: they are evicted on demand), and before every
+step preempts the newest running request while the running ones' next step does not fit. A preempted request
+frees its blocks and drafter and goes back to the front of the queue; readmitted, it recomputes its prompt and
+output so far (through the prefix cache where its prompt blocks are still cached) and goes on where it stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from verispec.engine.plan import LiveRequest, plan_step
+from verispec.state.paged_kv import PagedKVCache
+from verispec.state.request import Request
+
+
+def step_blocks(running: Sequence[LiveRequest], cache: PagedKVCache, max_tokens: int,
+                drafts: Callable[[LiveRequest], int]) -> int:
+    """The most new blocks the next step can take: each decoding request's block (its pending token and at most
+    `drafts(lv)` draft tokens), each prefill chunk as `plan_step` will plan it."""
+    plan = plan_step(running, max_tokens)
+    need = sum(cache.blocks_needed(lv.req.slot, 1 + drafts(lv)) for lv in plan.decode)  # type: ignore[arg-type]
+    return need + sum(cache.blocks_needed(c.live.req.slot, c.length) for c in plan.prefill)  # type: ignore[arg-type]
+
+
+def admission_blocks(req: Request, cache: PagedKVCache, hits: Sequence[int], k: int) -> int:
+    """Free blocks admitting `req` takes: its whole (re)prefill and first decode block of k + 1 positions past
+    the prefix hits, plus the hit blocks that now sit cached (taking them makes them used)."""
+    B = cache.block_size
+    positions = min(len(req.all_ids) + k, cache.max_len)
+    own = -(-positions // B) - len(hits)
+    return own + sum(cache.pool.ref[b] == 0 for b in hits)
+
+
+def fits_alone(req: Request, cache: PagedKVCache) -> bool:
+    """Whether the request could ever run: its longest sequence in an otherwise empty pool."""
+    return -(-min(len(req.prompt_ids) + req.params.max_tokens, cache.max_len) // cache.block_size) \
+        <= cache.pool.num_blocks
