@@ -80,8 +80,7 @@ def _reference(model, q, k, v, segments, cache):
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out, off = [], 0
     for s in segments:
-        keys = cache.k[0][s.slot, :, : s.start].double()  # [K, start, hd]
-        vals = cache.v[0][s.slot, :, : s.start].double()
+        keys, vals = (t.double() for t in cache.read(0, s.slot, s.start))  # [K, start, hd] each
         keys = torch.cat([keys, k[off : off + s.length].transpose(0, 1).double()], dim=1)
         vals = torch.cat([vals, v[off : off + s.length].transpose(0, 1).double()], dim=1)
         for i in range(s.length):
@@ -232,3 +231,48 @@ def test_default_path_batches_segments_into_the_same_attention(model, lengths, s
         model.batch_invariant = True
     torch.testing.assert_close(together, torch.cat(alone), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together, _reference(model, q, k, v, segments, cache), atol=1e-5, rtol=1e-5)
+
+
+def _filled_paged(model, lengths, block_size=4):
+    """A paged cache whose sequence i holds lengths[i] committed positions of random K/V: sequence 0 in
+    consecutive blocks (a view), the others filled round-robin a block at a time (scattered tables: gathers)."""
+    cfg = model.cfg
+    cache = model.new_paged_cache(64, num_blocks=sum(-(-n // block_size) + 1 for n in lengths) + 8,
+                                  block_size=block_size, num_slots=len(lengths))
+    slots = [cache.allocate() for _ in lengths]
+
+    def fill(slot, n):
+        start = cache.reserve(slot, n)
+        cache.write(0, slot, start, torch.randn(cfg.num_kv_heads, n, cfg.head_dim),
+                    torch.randn(cfg.num_kv_heads, n, cfg.head_dim))
+        cache.commit(slot, n)
+
+    fill(slots[0], lengths[0])
+    while any(cache.length(s) < n for s, n in zip(slots[1:], lengths[1:])):
+        for s, n in zip(slots[1:], lengths[1:]):
+            if cache.length(s) < n:
+                fill(s, min(block_size, n - cache.length(s)))
+    cache.check()
+    return cache
+
+
+def test_paged_cache_rows_attend_as_if_alone_and_as_the_reference(model):
+    """The paged cache: decode rows and verify blocks of sequences in consecutive or scattered blocks, in one
+    forward, are bitwise what each computes alone, and match float64 attention over their keys."""
+    torch.manual_seed(8)
+    cfg = model.cfg
+    lengths = [37, 30, 33, 20, 41, 9]
+    cache = _filled_paged(model, lengths)
+    assert cache.table(0) == list(range(len(cache.table(0)))), "a lone sequence's blocks are consecutive"
+    assert any(t[i + 1] != t[i] + 1 for t in map(cache.table, range(1, 6)) for i in range(len(t) - 1))
+    segments = [Segment(3, 20, 1), Segment(1, 30, 6), Segment(0, 37, 1), Segment(2, 33, 1), Segment(4, 41, 5),
+                Segment(5, 9, 1)]
+    q, k, v = _qkv(cfg, sum(s.length for s in segments))
+    together, off = _attend(model, q, k, v, segments, cache), 0
+    for s in segments:
+        rows = slice(off, off + s.length)
+        alone = _attend(model, q[rows], k[rows], v[rows], [s], cache)
+        assert torch.equal(together[rows], alone), f"sequence {s.slot}: rows differ from their segment alone"
+        off += s.length
+    torch.testing.assert_close(together, _reference(model, q, k, v, segments, cache), atol=1e-5, rtol=1e-5)
+    cache.check()

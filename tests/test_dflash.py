@@ -369,3 +369,27 @@ def test_engine_greedy_equals_hf_with_state_oracle(trained, tiny, tmp_path, meth
     if scheduler == "static":  # the dspark scheduler may switch drafting off from the profiled (load-dependent) costs
         assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0
     assert llm.engine.kv_tokens() == 0
+
+
+@pytest.mark.parametrize("method", ["dflash"])
+def test_engine_preemption_makes_a_new_drafter_that_gets_every_feature_again(trained, tiny, tmp_path, method):
+    """A KV pool too small for three requests at once: requests are preempted and recomputed (prompt + output so
+    far), their drafters made anew from the recomputed features; the state oracle runs after every step and the
+    output still equals HF greedy."""
+    from verispec import LLM, SamplingParams
+
+    path, hf, model = tiny
+    m, _ = trained[method]
+    m.save_pretrained(tmp_path / "ck")
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
+    refs = [hf_greedy(hf, p, 20) for p in prompts]
+    c = model.cfg
+    block_bytes = 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim * 4  # K and V, blocks of 4, fp32
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3, check_state=True,
+              max_num_batched_tokens=8, scheduler="static", progress=False, block_size=4,
+              kv_cache_memory_bytes=14 * block_bytes,
+              speculative_config={"method": method, "model": str(tmp_path / "ck"), "num_speculative_tokens": 5})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+    assert llm.engine.num_preemptions > 0

@@ -5,6 +5,9 @@ its cache; after every forward, the logits of the block's positions must equal H
 the sequence the test expects to be committed plus that block, recomputed from scratch. This shows that
 rejected or rolled-back positions are invisible and that positions stay in step, for full attention, a
 sliding window on every layer (Mistral) and a mix of full and windowed layers (Qwen2 max_window_layers).
+Tests 1 and 2 run on the slot cache and on the paged cache (blocks of 4 in a fragmented pool, so sequences read
+runs of consecutive blocks as views and the rest through their block tables), whose invariants are checked after
+every operation.
 """
 
 from __future__ import annotations
@@ -89,6 +92,29 @@ def models(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
+BLOCK = 4  # the paged cache's block size here
+KINDS = ["slot", "paged"]
+
+
+def _new_cache(ours, kind: str, num_slots: int = 1):
+    """A slot cache, or a paged cache whose free blocks come in runs of 3 or 4 (a spacer sequence holds every
+    block b with b % 5 == 3), so block tables mix consecutive and scattered blocks."""
+    if kind == "slot":
+        return ours.new_cache(MAX_LEN, num_slots=num_slots)
+    total = num_slots * (MAX_LEN // BLOCK) * 5 // 4 + 8
+    cache = ours.new_paged_cache(MAX_LEN, num_blocks=total, block_size=BLOCK, num_slots=num_slots + 1)
+    spacer = cache.allocate()
+    taken = [cache.pool.take() for _ in range(total)]
+    for b in taken:
+        if b % 5 != 3:
+            cache.pool.release(b)
+    s = cache.slots[spacer]
+    s.blocks = [b for b in taken if b % 5 == 3]
+    s.length = len(s.blocks) * BLOCK
+    cache.check()
+    return cache
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
@@ -123,15 +149,18 @@ def _resolve(data, cache: KVCache, slot: int, expected: list[int], block: list[i
         del expected[n:]
     assert cache.length(slot) == len(expected)
     assert cache.slots[slot].pending == 0
+    if hasattr(cache, "check"):
+        cache.check()
 
 
 # ---- 1. one slot: random appends / partial commits / rollbacks ------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
 @SETTINGS
 @given(data=st.data())
-def test_single_slot_operations_match_hf(models, name, data):
+def test_single_slot_operations_match_hf(models, name, kind, data):
     ours, oracle = models[name]
-    cache = ours.new_cache(MAX_LEN)
+    cache = _new_cache(ours, kind)
     slot = cache.allocate()
     expected: list[int] = []
     n_ops = data.draw(st.integers(1, 14), label="n_ops")
@@ -178,12 +207,13 @@ def test_single_slot_fills_to_max_len(models):
 
 
 # ---- 2. two slots, interleaved, sometimes in one forward -------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
 @SETTINGS
 @given(data=st.data())
-def test_two_slots_interleaved_match_hf(models, name, data):
+def test_two_slots_interleaved_match_hf(models, name, kind, data):
     ours, oracle = models[name]
-    cache = ours.new_cache(MAX_LEN, num_slots=2)
+    cache = _new_cache(ours, kind, num_slots=2)
     slots = [cache.allocate(), cache.allocate()]
     expected: dict[int, list[int]] = {s: [] for s in slots}
     n_ops = data.draw(st.integers(1, 14), label="n_ops")

@@ -95,13 +95,14 @@ BAD = [
     (C, {"prompt": "hi", "top_k": -2}, "top_k"),
     (C, {"prompt": "hi", "top_k": 1.5}, "top_k"),
     (C, {"prompt": "hi", "seed": "abc"}, "seed"),
-    (C, {"prompt": "hi", "n": 2}, "n"),
+    (C, {"prompt": "hi", "n": 17}, "n"),
     (C, {"prompt": "hi", "stream": "yes"}, "stream"),
     (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     (C, {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     (C, {"prompt": "hi", "ignore_eos": "no"}, "ignore_eos"),
-    (C, {"prompt": "hi", "stop": ["\n"]}, "stop"),
-    (C, {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    (C, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (C, {"prompt": "hi", "stop": ["a", ""]}, "stop"),
+    (C, {"prompt": "hi", "logprobs": 6}, "logprobs"),
     (C, {"prompt": "hi", "max_tokenz": 5}, "max_tokenz"),
     (CHAT, {}, "messages"),
     (CHAT, {"messages": "hi"}, "messages"),
@@ -113,7 +114,8 @@ BAD = [
     (CHAT, {"messages": MSGS, "max_completion_tokens": 100_000}, "max_completion_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "x " * CTX}]}, "messages"),
     (CHAT, {"messages": MSGS, "temperature": -1}, "temperature"),
-    (CHAT, {"messages": MSGS, "n": 3}, "n"),
+    (CHAT, {"messages": MSGS, "n": 0}, "n"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
 ]
 
 

@@ -8,6 +8,7 @@ import torch
 from verispec import LLM, SamplingParams
 from verispec.check.state import StateMismatch
 from verispec.state.kv_cache import KVCache
+from verispec.state.paged_kv import PagedKVCache
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,33 @@ def test_oracle_catches_bonus_only_writeback(window_model, monkeypatch):
     monkeypatch.setattr(KVCache, "commit", buggy_commit)
     with pytest.raises(StateMismatch, match="differs at position"):
         _run(window_model)
+
+
+def test_oracle_catches_bonus_only_writeback_in_the_paged_cache(window_model, monkeypatch):
+    """The same bug in the target's paged cache (through its block tables): the target's check names it."""
+    real_commit = PagedKVCache.commit
+
+    def buggy_commit(self, slot, n):
+        start = self.slots[slot].length
+        real_commit(self, slot, n)
+        if n > 1:
+            phys = self.positions(slot, start, n - 1)
+            for t in self.k + self.v:
+                t[0, :, phys] = 0
+
+    monkeypatch.setattr(PagedKVCache, "commit", buggy_commit)
+    with pytest.raises(StateMismatch, match="target: . of layer 0 differs at position"):
+        _run(window_model)
+
+
+def test_oracle_catches_a_leaked_block(window_model, monkeypatch):
+    """A block holding only rejected positions that is not given back: the paged cache's invariants catch it."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    llm = LLM(window_model, dtype="float32", device="cpu", speculative_config=spec, check_state=True, block_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 2, 7, 5, 9, 3, 7, 5, 9, 2, 1]}
+    out = llm.generate(prompt, params)[0]  # correct: passes, with drafts rejected (rejected blocks given back)
+    assert out.stats["mean_acceptance_length"] < 1 + 3
+    monkeypatch.setattr(PagedKVCache, "_trim", lambda self, s, length: None)
+    with pytest.raises(AssertionError, match="table / positions out of step"):
+        llm.generate(prompt, params)

@@ -20,6 +20,7 @@ from verispec.engine.costs import StepCosts
 from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.invariance import linears_row_invariant
+from verispec.execution.logprobs import Logprob, vllm_logprobs
 from verispec.execution.profile import profile_costs, profile_step_costs
 from verispec.execution.sampling import SamplingParams
 from verispec.execution.verify import AcceptanceConfig
@@ -27,6 +28,7 @@ from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import (ResolvedModel, gguf_has_int4_linears, load_model, load_tokenizer, read_config,
                                     resolve)
+from verispec.state.paged_kv import PagedKVCache
 from verispec.state.request import Request
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: str | None = None  # the stop string that ended the text (vLLM's name)
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: {sampled id and top-N ids: Logprob}
 
 
 @dataclass
@@ -52,15 +56,24 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     stats: dict[str, Any] = field(default_factory=dict)
+    stop_reason: str | None = None  # the stop string that ended the text (cut before it unless include_stop_str...)
+    # with SamplingParams(logprobs=N): per output token {sampled id, then the top-N ids: Logprob(logprob, rank,
+    # decoded_token)}, vLLM's layout; logprobs are the log_softmax of the raw logits (vLLM's raw_logprobs)
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's layout: one completion per request."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)]
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# The default KV budget when max_num_seqs x max_model_len positions would need more (vLLM's CPU backend also
+# defaults to a few GiB): requests then share it and the newest is preempted when it runs out.
+DEFAULT_KV_CACHE_BYTES = 4 << 30
 
 
 class LLM:
@@ -78,6 +91,9 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         quantization: str | None = None,
         invariant: bool | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.device = device or default_device()
         self.resolved = resolve(model, progress)
@@ -89,13 +105,18 @@ class LLM:
         self._set_invariance(invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
-        # each of the max_num_seqs KV slots holds max_model_len positions (fp32 on CPU: 46 KB per position for the
-        # default model), so the default context is capped at 4096 unless asked for more
+        # K/V take 46 KB per position for the default model (fp32 on CPU); by default the paged cache holds
+        # max_num_seqs x max_model_len positions (as one slot per request did) up to DEFAULT_KV_CACHE_BYTES, so the
+        # default context is capped at 4096 unless asked for more; kv_cache_memory_bytes sizes it by memory instead
         self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.scheduler = scheduler
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache = self.model.new_cache(self.max_model_len, num_slots=max_num_seqs)
+        if block_size < 1 or (kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0):
+            raise ValueError("block_size and kv_cache_memory_bytes must be positive")
+        self.kv_cache_memory_bytes, self.block_size = kv_cache_memory_bytes, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cache = self._new_cache()
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -194,20 +215,42 @@ class LLM:
                 self._costs = profile_step_costs(self.model, self._max_step_tokens())
         return self._costs
 
-    def configure_engine(self, max_num_seqs: int | None = None, scheduler: str | None = None) -> None:
-        """Resize the batch (a new KV cache with one slot per running request) and / or change the policy."""
+    def configure_engine(self, max_num_seqs: int | None = None, scheduler: str | None = None,
+                         enable_prefix_caching: bool | None = None) -> None:
+        """Resize the batch and / or turn prefix caching on or off (either: a new, empty KV cache), and / or change
+        the policy."""
         if scheduler is not None:
             make_policy(scheduler, StepCosts.flat())  # validates the name
             self.scheduler = scheduler
+        if enable_prefix_caching is not None and enable_prefix_caching != self.enable_prefix_caching:
+            self.enable_prefix_caching = enable_prefix_caching
+            self.cache = self._new_cache()
         if max_num_seqs is not None and max_num_seqs != self.max_num_seqs:
             if max_num_seqs < 1:
                 raise ValueError("max_num_seqs must be >= 1")
             self.max_num_seqs = max_num_seqs
-            self.cache = self.model.new_cache(self.max_model_len, num_slots=max_num_seqs)
+            self.cache = self._new_cache()
             if self._costs is not None and min(self._max_step_tokens(), 128) > self._costs.table.sizes[-1]:
                 self._costs = None
             self._set_speculation(self.spec)
         self._engine = None
+
+    def _new_cache(self) -> PagedKVCache:
+        """The engine's paged KV cache: kv_cache_memory_bytes worth of blocks; by default max_num_seqs x
+        max_model_len positions' worth, capped at DEFAULT_KV_CACHE_BYTES (but always one full-length request)."""
+        c, B = self.model.cfg, self.block_size
+        kv_bytes = 4 if self.model.device.type == "cpu" else self.model.embed.element_size()
+        per_block = 2 * c.num_layers * c.num_kv_heads * B * c.head_dim * kv_bytes
+        per_request = -(-self.max_model_len // B)
+        if self.kv_cache_memory_bytes is None:
+            num_blocks = max(per_request, min(self.max_num_seqs * per_request, DEFAULT_KV_CACHE_BYTES // per_block))
+        else:
+            num_blocks = self.kv_cache_memory_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV block "
+                                 f"({per_block} bytes each)")
+        return self.model.new_paged_cache(self.max_model_len, num_blocks, B, self.max_num_seqs,
+                                          self.enable_prefix_caching)
 
     @property
     def scheduler_name(self) -> str:
@@ -227,7 +270,7 @@ class LLM:
                                   num_speculative_tokens=self.spec.num_speculative_tokens)
             check = self._state_check if self.check_state else None
             self._engine = Engine(self.model, self.cache, self.drafters, policy, self.eos_ids, config, self.rule,
-                                  check)
+                                  check, detokenize=self.decode if self.tokenizer is not None else None)
         return self._engine
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -348,8 +391,11 @@ class LLM:
             request_id=req.request_id,
             prompt=prompt,
             prompt_token_ids=req.prompt_ids,
-            text=self.decode(req.output_ids),
+            text=self.decode(req.output_ids) if req.stop_text is None else req.stop_text,  # cut at a stop string
             token_ids=list(req.output_ids),
             finish_reason=req.finish_reason,
             stats=stats,
+            stop_reason=req.stop_reason,
+            logprobs=None if req.params.logprobs is None else vllm_logprobs(
+                req.output_logprobs, self.decode if self.tokenizer is not None else None),
         )

@@ -1,5 +1,5 @@
 """The `verispec` command line: models (pull / list), generate, serve, bench (single / sweep), demo, train,
-drafters (list)."""
+drafters (list), audit."""
 
 from __future__ import annotations
 
@@ -106,8 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "$VERISPEC_API_KEY, else no key)")
     serve.add_argument("--served-model-name", default=None, help="model id shown to clients (default: --model)")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoding at once (default: %(default)s)")
+    serve.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="memory for the paged KV cache (default: max-num-seqs x max-model-len "
+                            "positions, at most 4 GiB)")
+    serve.add_argument("--block-size", type=int, default=16, help="positions per KV block (default: %(default)s)")
+    serve.add_argument("--enable-prefix-caching", action="store_true",
+                       help="share the KV blocks of identical prompt prefixes (system prompts) between requests")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="requests that may queue beyond those; more get 503 + Retry-After (default: %(default)s)")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="largest request body; larger ones get 413 (default: 4 MiB, room for 128k-token prompts)")
+    serve.add_argument("--shutdown-timeout", type=float, default=None,
+                       help="seconds running requests get to finish on SIGTERM / Ctrl-C before they end with an "
+                            "error; new ones get 503 meanwhile (default: 30)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     demo = sub.add_parser("demo", help="the main job: a short single-stream comparison on the default model")
@@ -133,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.train.cli import add_train_parser
 
     add_train_parser(sub)
+    from verispec.audit.cli import add_audit_args
+
+    add_audit_args(sub.add_parser("audit", help="paired quality per domain: a candidate configuration or endpoint "
+                                                "against a reference (win counts, sign test, bootstrap intervals)"))
     drafters = sub.add_parser("drafters", help="trained drafters shipped with verispec")
     drafters.add_subparsers(dest="drafters_command", required=True).add_parser("list", help="names and model cards")
     return ap
@@ -253,6 +268,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_num_seqs < 1 or args.max_waiting < 0:
         raise ValueError("need --max-num-seqs >= 1 and --max-waiting >= 0")
+    if (args.max_request_bytes is not None and args.max_request_bytes < 1) or not (args.shutdown_timeout or 0) >= 0:
+        raise ValueError("need --max-request-bytes >= 1 and --shutdown-timeout >= 0")
     api_key = args.api_key or os.environ.get("VERISPEC_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"verispec: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
@@ -263,12 +280,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec.engine.background import BackgroundEngine
     from verispec.server.app import create_app, run_server
 
-    # one full-length KV slot per running request: a 2048-token default keeps 16 slots near 1.5 GB on CPU
+    # by default the paged KV cache holds max-num-seqs full-length requests, at most 4 GiB (a 2048-token default
+    # keeps 16 near 1.5 GB on CPU); --kv-cache-memory-bytes sizes it by memory (requests then share it, preempted when it is full)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
               speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
-              scheduler=args.scheduler, quantization=args.quantization, invariant=args.invariant)
+              scheduler=args.scheduler, quantization=args.quantization, invariant=args.invariant,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
+              enable_prefix_caching=args.enable_prefix_caching)
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
-    app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key)
+    limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
+                                ("shutdown_timeout", args.shutdown_timeout)) if v is not None}
+    app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key, **limits)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0
 
@@ -314,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "drafters":
             return cmd_drafters(args)
+        if args.command == "audit":
+            from verispec.audit.cli import run_audit_cli
+
+            return run_audit_cli(args)
         from verispec.demo import run_demo
 
         return run_demo(args)

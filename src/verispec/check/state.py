@@ -13,6 +13,7 @@ import torch
 
 from verispec.models.llama import LlamaModel
 from verispec.state.kv_cache import KVCache
+from verispec.state.paged_kv import PagedKVCache
 
 
 class StateMismatch(AssertionError):
@@ -23,9 +24,12 @@ def default_atol(model: LlamaModel) -> float:
     return 1e-4 if model.dtype == torch.float32 else 5e-2
 
 
-def check_kv(model: LlamaModel, cache: KVCache, slot: int, tokens: Sequence[int], what: str = "target",
-             atol: float | None = None) -> None:
-    """The cache's committed KV of `slot` must equal a from-scratch forward over `tokens`."""
+def check_kv(model: LlamaModel, cache: KVCache | PagedKVCache, slot: int, tokens: Sequence[int],
+             what: str = "target", atol: float | None = None) -> None:
+    """The cache's committed KV of `slot` must equal a from-scratch forward over `tokens` (read through its block
+    table for a paged cache, whose invariants are checked first: tables, refcounts, shared blocks)."""
+    if isinstance(cache, PagedKVCache):
+        cache.check()
     n = cache.length(slot)
     if n != len(tokens):
         raise StateMismatch(f"{what}: cache holds {n} committed positions but the request has {len(tokens)} tokens")
@@ -34,8 +38,8 @@ def check_kv(model: LlamaModel, cache: KVCache, slot: int, tokens: Sequence[int]
     atol = default_atol(model) if atol is None else atol
     fresh, s, _ = model.prefill_fresh(tokens)
     for layer in range(model.cfg.num_layers):
-        for name, live, ref in (("K", cache.k, fresh.k), ("V", cache.v, fresh.v)):
-            diff = (live[layer][slot, :, :n].float() - ref[layer][s, :, :n].float()).abs().amax(dim=(0, 2))  # [n]
+        for name, live, ref in zip("KV", cache.read(layer, slot, n), fresh.read(layer, s, n)):  # [K, n, hd]
+            diff = (live.float() - ref.float()).abs().amax(dim=(0, 2))  # [n]
             bad = (diff > atol).nonzero()
             if bad.numel():
                 p = int(bad[0, 0])

@@ -2,7 +2,8 @@
 
 The worker owns the Engine: only it steps, adds and aborts. Other threads hand it work through a locked
 inbox, and get tokens back as TokenEvents on an asyncio queue (or a plain queue when there is no loop).
-An exception inside a step finishes every request then in flight with an error event; the worker goes on.
+An exception out of a step (the shared forward) finishes every request then in flight with an error event; the worker
+goes on (a failure verifying one request ends only that one, inside `Engine.step`).
 
 Built from an `Engine` (configured beforehand: batch size, scheduler) and a validator of prompt token ids, called
 on the submitting thread (e.g. `LLM.check_prompt_ids`): `BackgroundEngine(llm.engine, llm.check_prompt_ids)`.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from verispec.engine.core import Engine, RequestTooLong
+from verispec.execution.logprobs import TokenLogprobs
 from verispec.execution.sampling import SamplingParams
 from verispec.state.request import Request
 
@@ -43,19 +45,25 @@ class TokenEvent:
     token_ids: list[int]  # new tokens of this step (several when drafts were accepted)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last event
     error: str | None = None
+    stop_reason: str | None = None  # on the last event: the stop string that ended the output
+    stop_text: str | None = None  # with it: the output text cut there (decoding the tokens runs past the cut)
+    logprobs: list[TokenLogprobs] | None = None  # of token_ids, when the request asked (execution/logprobs.py)
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
     num_running: int
     num_waiting: int
-    kv_usage: float  # committed KV positions / capacity
+    kv_usage: float  # KV blocks in use / all blocks
     kv_tokens: int
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: list[int] = field(default_factory=list)
     num_finished: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, found cached (not prefilled)
+    num_preemptions: int = 0  # requests preempted (KV blocks ran out), to be recomputed
 
 
 class RequestStream:
@@ -121,6 +129,7 @@ class BackgroundEngine:
         self._wake = threading.Event()
         self._inbox: list[tuple[Request, RequestStream]] = []
         self._aborts: list[str] = []
+        self._fail: str | None = None  # fail_in_flight's message, until the worker has acted on it
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -167,6 +176,14 @@ class BackgroundEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def fail_in_flight(self, message: str) -> None:
+        """End every request in flight (running, waiting, submitted) with finish_reason "error" and `message`, at
+        the worker's next turn; the engine goes on and takes new requests (the server's shutdown after its grace
+        period)."""
+        with self._lock:
+            self._fail = message
+        self._wake.set()
+
     def snapshot(self) -> EngineSnapshot:
         """The engine's state as the worker last published it (after its latest step), plus the inbox."""
         with self._lock:
@@ -180,7 +197,8 @@ class BackgroundEngine:
             num_running=len(e.running), num_waiting=len(e.waiting), kv_usage=e.kv_usage(),
             kv_tokens=e.kv_tokens(), num_drafts=c.num_drafts, num_draft_tokens=c.num_draft_tokens,
             num_accepted_tokens=c.num_accepted_tokens, accepted_per_pos=list(c.accepted_per_pos),
-            num_finished=e.num_finished)
+            num_finished=e.num_finished, prefix_cache_queries=e.cache.prefix_queries,
+            prefix_cache_hits=e.cache.prefix_hits, num_preemptions=e.num_preemptions)
         with self._lock:
             self._snapshot = snap
 
@@ -190,7 +208,9 @@ class BackgroundEngine:
         if stream is None:
             return
         reason = req.finish_reason
-        stream._push(TokenEvent(list(tokens), reason, req.error if reason == "error" else None))
+        lps = req.output_logprobs[len(req.output_ids) - len(tokens):] if req.params.logprobs is not None else None
+        stream._push(TokenEvent(list(tokens), reason, req.error if reason == "error" else None, req.stop_reason,
+                                req.stop_text, lps))
         if reason is not None:
             with self._lock:
                 self._streams.pop(req.request_id, None)
@@ -199,10 +219,13 @@ class BackgroundEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            fail, self._fail = self._fail, None
         for req, _ in inbox:
             self.engine.add_request(req, self._on_tokens)
         for rid in aborts:
             self.engine.abort(rid)
+        if fail is not None:
+            self.engine.fail_all(fail)
 
     def _run(self) -> None:
         while not self._stop:

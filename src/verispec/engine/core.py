@@ -1,7 +1,8 @@
 """The engine: continuous batching with speculative decoding of many requests in one target forward per step.
 
 `Engine.step` runs named stages:
-  1. admit     - waiting requests take a free cache slot (one per running request, max_model_len long);
+  1. admit     - preempt the newest requests while the next step's KV blocks would not fit; waiting requests
+                 take a sequence in the paged cache while their blocks fit (past their prefix-cache hits);
   2. plan      - one token for every decoding request (its pending last token), then prefill chunks of the
                  requests still prefilling, under the step's token budget (chunked prefill) -> a `StepPlan`;
   3. draft     - the policy sets draft lengths, drafters propose, the policy sets how much of each to verify;
@@ -15,6 +16,7 @@ decoding: the same code, so every path samples from the same processed distribut
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,16 +24,21 @@ from typing import Callable
 
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
+from verispec.engine.admission import admission_blocks, fits_alone, step_blocks
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
+from verispec.engine.stops import Detokenize, StopMatcher
+from verispec.execution.logprobs import record_logprobs
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
 from verispec.execution.verify import EXACT, AcceptanceConfig, Verdict, verify
 from verispec.models.llama import LlamaModel
-from verispec.state.kv_cache import KVCache
+from verispec.state.paged_kv import PagedKVCache
 from verispec.state.request import Request
 
 __all__ = ["Engine", "EngineConfig", "RequestTooLong", "SpecCounters", "TokenCallback"]
+
+log = logging.getLogger(__name__)
 
 StateCheck = Callable[[Request, "Drafter | None"], None]
 
@@ -84,15 +91,17 @@ class Engine:
     def __init__(
         self,
         model: LlamaModel,
-        cache: KVCache,
+        cache: PagedKVCache,
         drafters: DrafterFactory,
         policy: Policy,
         eos_ids: frozenset[int],
         config: EngineConfig = EngineConfig(),
         rule: AcceptanceConfig = EXACT,
         check_state: StateCheck | None = None,
+        detokenize: Detokenize | None = None,  # output ids -> text, for stop strings (as the final text decodes)
     ) -> None:
         assert len(cache.slots) >= config.max_num_seqs, "the cache needs one slot per running request"
+        self.detokenize = detokenize
         self.model, self.cache, self.drafters, self.policy = model, cache, drafters, policy
         self.eos_ids, self.config, self.rule, self.check_state = eos_ids, config, rule, check_state
         self.runner = ModelRunner(model, cache, drafters.feature_layers)
@@ -100,6 +109,8 @@ class Engine:
         self.running: list[LiveRequest] = []
         self.counters = SpecCounters()
         self.num_finished = 0
+        self.num_preemptions = 0
+        self._preempted: dict[str, LiveRequest] = {}  # request id -> its state while it waits to be readmitted
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request, on_tokens: TokenCallback | None = None) -> None:
@@ -107,11 +118,21 @@ class Engine:
         self.waiting.append((req, on_tokens))
 
     def check_fits(self, req: Request) -> None:
+        """Raise ValueError for a request this engine can never run: too long, or stop strings without a tokenizer."""
+        if req.params.stop and self.detokenize is None:
+            raise ValueError("stop strings need the model's tokenizer to decode the output, and this engine has none "
+                             "(a checkpoint without tokenizer files); use stop_token_ids instead")
         total = len(req.prompt_ids) + req.params.max_tokens
         if total > self.cache.max_len:
             raise RequestTooLong(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} exceeds "
                 f"the context of {self.cache.max_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        if not fits_alone(req, self.cache):
+            raise RequestTooLong(
+                f"prompt + max_tokens = {total} tokens need more KV blocks than the cache's "
+                f"{self.cache.pool.num_blocks} of {self.cache.block_size}; raise kv_cache_memory_bytes or lower "
+                "max_tokens"
             )
 
     def abort(self, request_id: str) -> bool:
@@ -119,6 +140,7 @@ class Engine:
         for i, (req, cb) in enumerate(self.waiting):
             if req.request_id == request_id:
                 del self.waiting[i]
+                self._preempted.pop(request_id, None)
                 req.finish_reason = "abort"
                 self.num_finished += 1
                 if cb is not None:
@@ -137,7 +159,8 @@ class Engine:
         return sum(self.cache.length(live.req.slot) for live in self.running if live.req.slot is not None)
 
     def kv_usage(self) -> float:
-        return self.kv_tokens() / (self.cache.max_len * len(self.cache.slots))
+        """Fraction of the KV blocks in use (cached prefix blocks, free to evict, not counted)."""
+        return self.cache.pool.num_used / self.cache.pool.num_blocks
 
     def run_to_completion(self) -> None:
         while self.has_work():
@@ -158,8 +181,23 @@ class Engine:
                             forward_s=time.perf_counter() - t_forward)
         self._commit_prefill(plan, out)
         for i, lv in enumerate(plan.decode):
-            self._verify_and_commit(lv, out, i, timing)
+            try:
+                self._verify_and_commit(lv, out, i, timing)
+            except AssertionError:  # a broken invariant (or the state oracle): the engine's state is suspect
+                raise
+            except Exception as exc:  # noqa: BLE001 - only this request fails; the batch goes on
+                self._fail_request(lv, exc)
         self._reap()
+
+    def _fail_request(self, lv: LiveRequest, exc: Exception) -> None:
+        """Verifying or committing one request failed (e.g. its sampling): it alone finishes with "error" and the
+        message, and the step's `_reap` releases it as on abort (slot, KV, drafter). Only a failure of the shared
+        forward, or a broken invariant, fails every request (the caller's `fail_all`)."""
+        log.warning("request %s failed while verifying: %s: %s", lv.req.request_id, type(exc).__name__, exc,
+                    exc_info=exc)
+        lv.req.finish_reason, lv.req.error = "error", f"{type(exc).__name__}: {exc}"
+        if lv.on_tokens is not None:
+            lv.on_tokens(lv.req, [])
 
     def _draft(self, plan: StepPlan) -> None:
         """Policy lengths before drafting, the drafters' proposals, the policy's cut before verification."""
@@ -205,7 +243,8 @@ class Engine:
         for c in plan.prefill:
             r, slot, start = c.live.req, c.live.req.slot, c.live.req.num_computed
             assert slot is not None
-            blocks.append(Block(slot, start, r.prompt_ids[start : start + c.length], logits=False))
+            # the prompt (and, recomputing after a preemption, the output so far)
+            blocks.append(Block(slot, start, r.all_ids[start : start + c.length], logits=False))
         return blocks
 
     def _commit_prefill(self, plan: StepPlan, out: BatchOutput) -> None:
@@ -228,12 +267,27 @@ class Engine:
         self._commit(lv, verdict, out, block)
         first = not lv.req.output_ids
         kept = lv.req.append(verdict.tokens, self.eos_ids)
+        record_logprobs(lv.req, out, block, kept)  # only when the request asked for logprobs
+        if lv.stops is not None and kept:
+            kept = self._stop_strings(lv, kept)
         if not first:  # the first step finishes the prefill; it is not a decode step
             self._account(lv, verdict, timing, verify_s=t_state - t_verify, state_s=time.perf_counter() - t_state)
         if lv.on_tokens is not None and kept:
             lv.on_tokens(lv.req, kept)
         if self.check_state is not None and not lv.req.finished:
             self.check_state(lv.req, lv.drafter)
+
+    def _stop_strings(self, lv: LiveRequest, kept: list[int]) -> list[int]:
+        """A stop string in the text, possibly ending inside this step's accepted block: the output ends with the
+        token that completes it (usage counts up to there), its text at the stop. Returns the tokens kept now."""
+        r = lv.req
+        m = lv.stops.update(r.output_ids, len(kept))  # type: ignore[union-attr]
+        if m is None:
+            return kept
+        dropped = r.truncate_output(m.keep_tokens)
+        r.finish_reason, r.stop_reason, r.stop_text = "stop", m.stop, m.text
+        r.stats.stop_trimmed_tokens += len(dropped)
+        return kept[: len(kept) - len(dropped)]
 
     def _commit(self, lv: LiveRequest, verdict: Verdict, out: BatchOutput, block: int) -> None:
         """KV of the pending token and the accepted drafts; the drafter hears the verdict, then gets features."""
@@ -261,22 +315,69 @@ class Engine:
 
     # ---- admission and release ------------------------------------------------------------------
     def _admit(self) -> None:
+        """Preempt the newest running requests while their next step's KV blocks would not fit; then admit waiting
+        requests, first come first served, while theirs fit too (engine/admission.py)."""
+        while len(self.running) > 1 and self._step_blocks() > self.cache.pool.num_free:
+            self._preempt(self.running[-1])
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req, cb = self.waiting.popleft()
-            p = req.params
-            req.spec.lossy = self.rule.lossy and not p.greedy
-            drafter = None
-            try:
-                req.slot = self.cache.allocate()
-                drafter = self.drafters.new(p, len(req.prompt_ids))
-            except BaseException:
-                if req.slot is not None:
-                    self.cache.free(req.slot)
-                    req.slot = None
-                self.waiting.appendleft((req, cb))
-                raise
+            req, cb = self.waiting[0]
+            hits = self._prefix_hits(req)
+            need = admission_blocks(req, self.cache, hits, self.config.num_speculative_tokens)
+            if self.running and self._step_blocks() + need > self.cache.pool.num_free:
+                return
+            self.waiting.popleft()
+            self._start(req, cb, hits)
+
+    def _step_blocks(self) -> int:
+        return step_blocks(self.running, self.cache, self.config.max_num_batched_tokens, self._limit)
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks of the request's prompt it need not prefill: none for drafters that read the target's
+        hidden state at every prompt position (EAGLE-3, DFlash, DSpark); never the last token's block."""
+        if not self.cache.prefix_caching or self.drafters.feature_layers:
+            return []
+        return self.cache.match(req.prompt_ids, len(req.all_ids) - 1)
+
+    def _start(self, req: Request, cb: TokenCallback | None, hits: list[int]) -> None:
+        """Give the request its sequence in the cache (starting past its prefix hits) and a new drafter; a
+        preempted request gets its own engine state back (sampling generator, estimator, stop matcher)."""
+        p = req.params
+        req.spec.lossy = self.rule.lossy and not p.greedy
+        drafter = None
+        queried = len(req.prompt_ids) if self.cache.prefix_caching and not self.drafters.feature_layers else 0
+        try:
+            req.slot = self.cache.allocate(req.prompt_ids, hits, queried)
+            req.num_computed = self.cache.length(req.slot)
+            drafter = self.drafters.new(p, len(req.prompt_ids))
+        except BaseException:
+            if req.slot is not None:
+                self.cache.free(req.slot)
+                req.slot, req.num_computed = None, 0
+            self.waiting.appendleft((req, cb))
+            raise
+        live = self._preempted.pop(req.request_id, None)
+        if live is not None:
+            live.drafter = drafter
+            live.clear_draft()
+        else:
             gen = None if p.greedy else p.make_generator(self.model.device)
-            self.running.append(LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb))
+            live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb)
+            if p.stop:  # check_fits saw to a detokenize
+                live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore
+        self.running.append(live)
+
+    def _preempt(self, lv: LiveRequest) -> None:
+        """Out of KV blocks: free the request's blocks and drafter and put it back at the front of the queue; when
+        readmitted it recomputes its prompt and output so far (a new drafter) and goes on."""
+        self.running.remove(lv)
+        if lv.drafter is not None:
+            lv.drafter.release()
+            lv.drafter = None
+        self.cache.free(lv.req.slot)  # type: ignore[arg-type]
+        lv.req.slot, lv.req.num_computed = None, 0
+        self._preempted[lv.req.request_id] = lv
+        self.waiting.appendleft((lv.req, lv.on_tokens))
+        self.num_preemptions += 1
 
     def _reap(self) -> None:
         """Release finished and aborted requests: slot, KV and drafter state, all at once."""
@@ -315,6 +416,7 @@ class Engine:
             if cb is not None:
                 cb(req, [])
         self.running, self.waiting = [], deque()
+        self._preempted.clear()
         for i in range(len(self.cache.slots)):
             self.cache.free(i)
         return failed

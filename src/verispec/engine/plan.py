@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from verispec.drafters.base import Drafter
+    from verispec.engine.stops import StopMatcher
 
 TokenCallback = Callable[[Request, list[int]], None]
 
@@ -38,10 +39,12 @@ class LiveRequest:
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward
     draft_s: float = 0.0  # seconds its drafter spent proposing
     proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
+    stops: "StopMatcher | None" = None  # the request's stop strings, checked on its text after every commit
 
     @property
     def prefilled(self) -> bool:
-        return self.req.num_computed >= len(self.req.prompt_ids) - 1
+        # every token but the last computed (after a preemption: the prompt and the output so far)
+        return self.req.num_computed >= len(self.req.prompt_ids) + len(self.req.output_ids) - 1
 
     @property
     def speculates(self) -> bool:
@@ -82,7 +85,7 @@ def plan_step(running: Sequence[LiveRequest], max_tokens: int) -> StepPlan:
     for lv in running:
         if lv.prefilled or budget <= 0:
             continue
-        n = min(len(lv.req.prompt_ids) - 1 - lv.req.num_computed, budget)
+        n = min(len(lv.req.prompt_ids) + len(lv.req.output_ids) - 1 - lv.req.num_computed, budget)
         prefill.append(PrefillChunk(lv, n))
         budget -= n
     return StepPlan(decode, tuple(prefill), budget)

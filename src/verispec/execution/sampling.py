@@ -24,6 +24,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
+    # stop strings (a str or a list is taken): the output ends where its text first contains one (engine/stops.py)
+    stop: tuple[str, ...] = field(default=())
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    logprobs: int | None = None  # vLLM's: return each output token's logprob and the top-N (0 = the token only)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -37,6 +41,17 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("include_stop_str_in_output must be True or False, got "
+                             f"{self.include_stop_str_in_output!r}")
+
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (top logprobs per token), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -76,8 +91,10 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
     if top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [M, V]
         sorted_p = sorted_x.softmax(-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
+        # drop a token when the tokens ranked above it already reach top_p; the first token always stays, also
+        # when top_p rounds to 0 in float32 (e.g. 1e-300), where the comparison alone would drop every token
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x.softmax(-1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +50,10 @@ class CacheShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    max_len: int  # T: positions per slot
+    max_len: int  # T: positions per slot (the paged cache: its whole pool, num_blocks B, as one slot)
     dtype: torch.dtype  # the cache's, which the scores are in
     device: torch.device
+    block_size: int | None = None  # B of a paged cache (its plans get the block tables)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class _Entry:
     n: int
     lo: int
     rows: range  # their rows in the block
+    # a paged sequence whose keys are not one run of the pool: the physical blocks holding its (logical) keys
+    # lo // B .. (last key) // B, gathered. (One whose keys are consecutive is slot 0 at physical positions.)
+    blocks: tuple[int, ...] | None = None
 
     @property
     def count(self) -> int:
@@ -101,13 +105,15 @@ def bucket(count: int) -> int:
 
 
 # ---- planning (once per forward) ------------------------------------------------------------------------------
-def plan_attention(segments: Sequence[SegmentLike], window: int | None, per_query: bool, shape: CacheShape
-                   ) -> AttentionPlan:
-    """The groups of one window size's attention over `segments` (their rows concatenated in segment order)."""
-    if per_query:
-        grouped = _by_bucket(_query_entries(segments, window))
-    else:
-        grouped = _by_length(_segment_entries(segments, window))
+def plan_attention(segments: Sequence[SegmentLike], window: int | None, per_query: bool, shape: CacheShape,
+                   tables: Mapping[int, Sequence[int]] | None = None) -> AttentionPlan:
+    """The groups of one window size's attention over `segments` (their rows concatenated in segment order).
+    `tables`: a paged cache's block table per segment slot (see `_physical`)."""
+    entries = _query_entries(segments, window) if per_query else _segment_entries(segments, window)
+    if tables is not None:
+        runs = {slot: _run_starts(table) for slot, table in tables.items()}
+        entries = [_physical(e, tables[e.slot], runs[e.slot], shape.block_size) for e in entries]  # type: ignore
+    grouped = _by_bucket(entries) if per_query else _by_length(entries)
     calls = [(length, part) for length, es in grouped for part in _calls(es, length, shape)]
     order = [r for _, es in calls for e in es for r in e.rows]
     groups, start = [], 0
@@ -119,6 +125,25 @@ def plan_attention(segments: Sequence[SegmentLike], window: int | None, per_quer
         return AttentionPlan(None, None, tuple(groups))
     order_t = torch.tensor(order, device=shape.device)
     return AttentionPlan(order_t, torch.argsort(order_t), tuple(groups))
+
+
+def _run_starts(table: Sequence[int]) -> list[int]:
+    """[j] the first logical block of the run of physically consecutive blocks that holds block j."""
+    out = []
+    for j, b in enumerate(table):
+        out.append(out[-1] if j and b == table[j - 1] + 1 else j)
+    return out
+
+
+def _physical(e: _Entry, table: Sequence[int], runs: Sequence[int], B: int) -> _Entry:
+    """A paged entry in the slot cache's terms. Keys in consecutive blocks: slot 0 (the pool as one slot) with its
+    positions shifted to the physical ones (masks depend only on key - query positions, so they are unchanged) and
+    read as views like a slot's. Otherwise: its logical positions with the blocks to gather them from."""
+    j0, j1 = e.lo // B, (e.first + e.n - 1) // B
+    if runs[j1] <= j0:  # blocks j0 .. j1 are one run
+        delta = table[j0] * B + e.lo % B - e.lo
+        return _Entry(0, e.first + delta, e.n, e.lo + delta, e.rows)
+    return _Entry(e.slot, e.first, e.n, e.lo, e.rows, tuple(table[j0 : j1 + 1]))
 
 
 def _by_bucket(entries: list[_Entry]) -> list[tuple[int, list[_Entry]]]:
@@ -162,7 +187,7 @@ def _calls(es: list[_Entry], length: int, shape: CacheShape) -> list[list[_Entry
     (a verify block) and the other rows as runs of consecutive slots (views) when there are at most a quarter as
     many runs as rows, else as one gather. Views cost no copy; each call costs ~15 small ops."""
     lo, slots = es[0].lo, [e.slot for e in es]
-    if not all(e.lo == lo for e in es) or lo + length > shape.max_len:
+    if not all(e.lo == lo and e.blocks is None for e in es) or lo + length > shape.max_len:
         return _split(es, length, shape)  # gathered
     if slots.count(slots[0]) == len(slots) or slots == list(range(slots[0], slots[0] + len(es))):
         return _split(es, length, shape)  # one view
@@ -214,12 +239,12 @@ def _key_group(es: list[_Entry], rows: slice, length: int, window: int | None, s
     lo, slots, n = es[0].lo, [e.slot for e in es], es[0].n
     K, G, max_len, device = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads, shape.max_len, shape.device
     view = shared = None
-    if all(e.lo == lo for e in es) and lo + length <= max_len:
+    if all(e.lo == lo and e.blocks is None for e in es) and lo + length <= max_len:
         if len(es) > 1 and all(s == slots[0] for s in slots):
             view, shared = (slots[0], slots[0] + 1, lo), True
         elif slots == list(range(slots[0], slots[0] + len(es))):
             view = (slots[0], slots[0] + len(es), lo)
-    index = None if view is not None else _gather_index(es, length, K, max_len).to(device)
+    index = None if view is not None else _gather_index(es, length, K, max_len, shape.block_size).to(device)
     bias = None
     if n > 1 or any(e.count < length for e in es):
         blocked = _blocked(es, length, window, G)  # [E, M, L], M = G n or 1
@@ -230,13 +255,23 @@ def _key_group(es: list[_Entry], rows: slice, length: int, window: int | None, s
     return KeyGroup(rows, n, length, view, bool(shared), index, bias)
 
 
-def _gather_index(es: list[_Entry], length: int, K: int, max_len: int) -> torch.Tensor:
+def _gather_index(es: list[_Entry], length: int, K: int, max_len: int, B: int | None = None) -> torch.Tensor:
     """[E K L] rows of a cache layer viewed as [slots K T, hd]: entry e's keys lo_e .. lo_e+L-1 per KV head
-    (positions past the cache clamped to its last one; they are masked)."""
+    (positions past the cache, or past a paged entry's own keys, clamped to its last one; they are masked)."""
     slot = torch.tensor([e.slot for e in es])
     lo = torch.tensor([e.lo for e in es])
     base = (slot[:, None] * K + torch.arange(K)) * max_len  # [E, K]
     pos = (lo[:, None] + torch.arange(length)).clamp_(max=max_len - 1)  # [E, L]
+    paged = [i for i, e in enumerate(es) if e.blocks is not None]
+    if paged:  # logical -> physical positions through each entry's blocks; base: slot 0 (the pool)
+        assert B is not None
+        width = max(len(es[i].blocks) for i in paged)  # type: ignore[arg-type]
+        blocks = torch.tensor([list(es[i].blocks) + [0] * (width - len(es[i].blocks)) for i in paged])  # [P, W]
+        first = lo[paged] // B * B  # [P] logical start of each entry's first block
+        last = torch.tensor([es[i].first + es[i].n - 1 for i in paged])  # [P] its last key
+        logical = torch.minimum(lo[paged][:, None] + torch.arange(length), last[:, None]) - first[:, None]  # [P, L]
+        pos[paged] = blocks.gather(1, logical // B) * B + logical % B
+        base[paged] = torch.arange(K) * max_len
     return (base[:, :, None] + pos[:, None, :]).reshape(-1)
 
 

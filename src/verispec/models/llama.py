@@ -27,9 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ModelConfig
-from verispec.models.attention import AttentionPlan, CacheShape, attend_group, kv_rows, plan_attention
+from verispec.models.attention import AttentionPlan, CacheShape, attend_group, plan_attention
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.state.kv_cache import KVCache
+from verispec.state.paged_kv import PagedKVCache
+
+Cache = KVCache | PagedKVCache  # the slot cache (drafters, the oracle's reference) or the engine's paged one
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class AttentionContext:
     sin: torch.Tensor  # [N, 1, head_dim] signed sines (see models/rope.py), in the model's dtype
     segments: tuple[Segment, ...]  # the N rows, in segment order
     plans: dict[int | None, AttentionPlan]  # per window size (None = full attention): the attention's groups
-    cache: KVCache  # each layer writes its K/V here (its own `Layer.index`) and reads the keys back
+    cache: Cache  # each layer writes its K/V here (its own `Layer.index`) and reads the keys back
     per_query: bool = False  # every query position attends alone-shaped (`LlamaModel.batch_invariant`)
     kv_rows: torch.Tensor | None = None  # [N K] cache rows of the new K/V when there are several segments
 
@@ -163,8 +166,8 @@ class Layer(nn.Module):
         return o.to(q.dtype)
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> None:
-        """k, v: [N, K, hd] -> the cache: a slice of the one segment's slot, or one indexed copy for many (their
-        blocks were opened by `LlamaModel._reserve`, which checks what `KVCache.write` checks)."""
+        """k, v: [N, K, hd] -> the cache: the cache's own write for one segment, or one indexed copy for many
+        (their blocks were opened by `LlamaModel._reserve`, which checks what `KVCache.write` checks)."""
         cache, li = ctx.cache, self.index
         if ctx.kv_rows is None:
             s = ctx.segments[0]
@@ -223,11 +226,22 @@ class LlamaModel(nn.Module):
         kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, kv_dtype, self.device)
 
+    def new_paged_cache(self, max_len: int, num_blocks: int, block_size: int = 16, num_slots: int = 1,
+                        prefix_caching: bool = False) -> PagedKVCache:
+        """The engine's cache: `num_blocks` blocks of `block_size` positions shared by up to `num_slots`
+        sequences of at most `max_len` positions (state/paged_kv.py)."""
+        c = self.cfg
+        if max_len > self.max_positions:
+            raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.max_positions})")
+        kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_blocks, block_size, num_slots,
+                            prefix_caching, kv_dtype, self.device)
+
     def output_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
 
     # ------------------------------------------------------------------------------------------
-    def prefill(self, tokens: torch.Tensor | Sequence[int], cache: KVCache, slot: int,
+    def prefill(self, tokens: torch.Tensor | Sequence[int], cache: Cache, slot: int,
                 logits_indices: torch.Tensor | Sequence[int] | None = None, capture_layers: Sequence[int] = (),
                 return_last_hidden: bool = False) -> ForwardOutput:
         """Forward `tokens` ([n] ids) as the first block of the empty `slot`, then commit all n positions."""
@@ -253,7 +267,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         segments: Sequence[Segment],
-        cache: KVCache,
+        cache: Cache,
         logits_indices: torch.Tensor | Sequence[int] | None = None,
         capture_layers: Sequence[int] = (),
         return_last_hidden: bool = False,
@@ -280,7 +294,7 @@ class LlamaModel(nn.Module):
         return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last)
 
     # ------------------------------------------------------------------------------------------
-    def _reserve(self, segments: Sequence[Segment], cache: KVCache) -> None:
+    def _reserve(self, segments: Sequence[Segment], cache: Cache) -> None:
         """Open each segment's block in the cache; all or nothing, so a failed call leaves no half-reserved block."""
         reserved: list[Segment] = []
         try:
@@ -294,14 +308,17 @@ class LlamaModel(nn.Module):
                 cache.rollback(s.slot, s.start)
             raise
 
-    def _context(self, segments: Sequence[Segment], cache: KVCache) -> AttentionContext:
-        """The RoPE rows of the segments' N positions, the attention plan per window size and the cache, shared by
-        all layers."""
+    def _context(self, segments: Sequence[Segment], cache: Cache) -> AttentionContext:
+        """The RoPE rows of the segments' N positions, the attention plan per window size (over the block tables
+        of a paged cache) and the cache, shared by all layers."""
         cos, sin = self._rope_rows(segments)
         c = self.cfg
-        shape = CacheShape(c.num_heads, c.num_kv_heads, c.head_dim, cache.max_len, cache.k[0].dtype, self.device)
-        plans = {w: plan_attention(segments, w, self.batch_invariant, shape) for w in self._windows}
-        rows = None if len(segments) == 1 else kv_rows(segments, c.num_kv_heads, cache.max_len, self.device)
+        paged = isinstance(cache, PagedKVCache)
+        shape = CacheShape(c.num_heads, c.num_kv_heads, c.head_dim, cache.span, cache.k[0].dtype, self.device,
+                           cache.block_size if paged else None)  # type: ignore[union-attr]
+        tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
+        plans = {w: plan_attention(segments, w, self.batch_invariant, shape, tables) for w in self._windows}
+        rows = None if len(segments) == 1 else cache.kv_rows(segments, self.device)
         return AttentionContext(cos, sin, tuple(segments), plans, cache, self.batch_invariant, rows)
 
     def _rope_rows(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:

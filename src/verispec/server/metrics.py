@@ -34,6 +34,9 @@ class EngineCollector:
             ("spec_decode_num_drafts", "Speculative steps that verified at least one draft token.", s.num_drafts),
             ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", s.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted when KV blocks ran out (recomputed later).", s.num_preemptions),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
@@ -45,7 +48,7 @@ class EngineCollector:
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch.", value=s.num_running)
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued for a batch slot.",
                                 value=s.num_waiting)
-        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of the KV cache in use (0..1).",
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0..1).",
                                 value=s.kv_usage)
 
 

@@ -10,10 +10,12 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from verispec.engine.stops import partial_stop_len
 from verispec.execution.sampling import SamplingParams
+from verispec.server.logprobs import parse_logprobs
 
 if TYPE_CHECKING:
     from verispec.api import LLM
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 # Below this temperature sampling is numerically the argmax anyway (and logits / T would overflow): treat as greedy.
 GREEDY_TEMPERATURE = 1e-5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 16  # choices per request (`n`)
 
 
 class APIError(Exception):
@@ -80,6 +83,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON ({e}). Send a JSON object with "
                           "Content-Type: application/json.") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply to parse: send a JSON object whose arrays and "
+                          "objects nest a few levels at most.") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got a JSON {type(body).__name__}.")
     return body
@@ -132,16 +138,16 @@ def _token_ids(v: Any, key: str, vocab: int) -> list[int]:
 
 # Fields accepted only at their neutral value: anything else is a feature verispec does not implement.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stop": (None, [], ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False),
-    "suffix": (None, ""), "min_tokens": (None, 0), "top_logprobs": (None, 0), "tools": (None, []),
+    "suffix": (None, ""), "min_tokens": (None, 0), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
 }
-_HINTS = {"stop": "stop strings are not supported; use 'stop_token_ids'",
-          "n": "send n separate requests instead (with different seeds)"}
+_HINTS: dict[str, str] = {}  # per neutral-only field: what to do instead
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # bookkeeping fields with no effect on the output
 _SAMPLING_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
-                  "n", "stream", "stream_options", "return_token_ids", *_NEUTRAL, *_IGNORED}
+                  "stop", "include_stop_str_in_output",
+                  "n", "stream", "stream_options", "return_token_ids", "top_logprobs", *_NEUTRAL, *_IGNORED}
 COMPLETION_KEYS = _SAMPLING_KEYS | {"prompt", "logprobs"}
 CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "logprobs", "response_format"}
 
@@ -172,6 +178,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    n: int = 1  # choices: the server runs n engine requests (seeds seed + i)
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -186,16 +193,32 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage", False)
 
 
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    """OpenAI's `stop`: null, a string or a list of up to 4 strings; "" and [] mean none."""
+    v = body.get("stop")
+    if v is None or v == "":
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_request(f"'stop' must be a non-empty string or a list of non-empty strings, got {json.dumps(v)}.",
+                          "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' holds {len(items)} strings; send at most {MAX_STOP_STRINGS}.", "stop")
+    return tuple(items)
+
+
 def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key: str,
             default_max: int | None, prompt_key: str) -> SamplingParams:
-    n = _int(body, "n", 1, what=" (only 1 is supported)")
-    if n != 1:
-        raise bad_request(f"'n' = {n} is not supported: verispec returns one choice per request; {_HINTS['n']}.", "n")
     if prompt_len >= max_model_len:
         raise bad_request(f"The prompt has {prompt_len} tokens, but this model's context holds {max_model_len} "
                           f"(prompt + completion). Shorten the prompt to under {max_model_len} tokens.",
                           prompt_key, "context_length_exceeded")
     room = max_model_len - prompt_len
+    for other in {"max_tokens", "max_completion_tokens"} - {max_key}:  # the one not used must be valid too
+        _int(body, other, None, lo=1, what=" >= 1")
     max_tokens = _int(body, max_key, default_max, lo=1, what=" >= 1")
     if max_tokens is None:
         max_tokens = room
@@ -217,7 +240,9 @@ def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key
     try:
         return SamplingParams(temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
                               top_k=top_k, max_tokens=max_tokens, seed=seed,
-                              ignore_eos=_bool(body, "ignore_eos", False), stop_token_ids=tuple(stop_ids))
+                              ignore_eos=_bool(body, "ignore_eos", False), stop_token_ids=tuple(stop_ids),
+                              stop=_stop(body),
+                              include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
     except ValueError as e:
         raise bad_request(str(e)) from None
 
@@ -227,8 +252,14 @@ def _finish(kind: str, body: dict, llm: LLM, ids: list[int], max_key: str, defau
     if not ids:
         raise bad_request("The prompt is empty: it encodes to no tokens. Send at least one token.", prompt_key)
     params = _params(body, len(ids), llm.max_model_len, llm.model.cfg.vocab_size, max_key, default_max, prompt_key)
+    if params.stop and llm.tokenizer is None:
+        raise bad_request("'stop' strings need the model's tokenizer, and this model has none: use 'stop_token_ids'.",
+                          "stop")
+    n = _int(body, "n", 1, lo=1, hi=MAX_N, what=f" from 1 to {MAX_N} (choices per request)")
+    top = parse_logprobs(body, kind, bad_request)
+    params = params if top is None else replace(params, logprobs=top)
     stream, include_usage = _stream_flags(body)
-    return ParsedRequest(kind, ids, params, stream, include_usage, _bool(body, "return_token_ids", False))
+    return ParsedRequest(kind, ids, params, stream, include_usage, _bool(body, "return_token_ids", False), n)
 
 
 def _prompt_ids(prompt: Any, llm: LLM) -> list[int]:
@@ -248,8 +279,6 @@ def _prompt_ids(prompt: Any, llm: LLM) -> list[int]:
 def parse_completion(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
     _check_keys(body, COMPLETION_KEYS)
     served.check(body.get("model"))
-    if body.get("logprobs") is not None:
-        raise bad_request("'logprobs' is not supported by verispec; remove it.", "logprobs")
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("Missing required field 'prompt' (a string or a list of token ids).", "prompt")
     return _finish("completion", body, llm, _prompt_ids(body["prompt"], llm), "max_tokens", 16)
@@ -278,8 +307,6 @@ def _message(m: Any, i: int) -> dict[str, str]:
 def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
     _check_keys(body, CHAT_KEYS)
     served.check(body.get("model"))
-    if body.get("logprobs") not in (None, False):
-        raise bad_request("'logprobs' is not supported by verispec; remove it.", "logprobs")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by verispec.",
@@ -324,21 +351,35 @@ class ResponseBuilder:
         self.id = self.id or new_id(self.req.kind)
         self.created = self.created or int(time.time())
 
-    def _choice(self, text: str, token_ids: list[int], finish: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(self, text: str, token_ids: list[int], finish: str | None, delta: bool,
+                stop_reason: str | None = None, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
         if self.req.kind == "chat":
             key, val = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
-            choice = {"index": 0, key: val, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, key: val, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice["stop_reason"] = stop_reason  # vLLM's: the stop string that ended the text, else null
         if self.req.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
 
-    def response(self, text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
+    def response(self, text: str, token_ids: list[int], finish: str | None,
+                 stop_reason: str | None = None) -> dict[str, Any]:
         obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [self._choice(text, token_ids, finish, delta=False)],
+                "choices": [self._choice(text, token_ids, finish, False, stop_reason)],
                 "usage": usage(len(self.req.prompt_ids), len(token_ids))}
+
+    def choice(self, text: str, token_ids: list[int], finish: str | None, stop_reason: str | None = None,
+               index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
+        """One finished choice of a whole (non-streamed) response."""
+        return self._choice(text, token_ids, finish, False, stop_reason, index, logprobs)
+
+    def full_response(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
+        """The response with all `n` choices; usage counts the completion tokens of all of them."""
+        obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(len(self.req.prompt_ids), completion_tokens)}
 
     def _chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -348,15 +389,17 @@ class ResponseBuilder:
             body["usage"] = usage_
         return sse(body)
 
-    def first_chunk(self) -> str | None:
-        """Chat streams open with the assistant role, as OpenAI's do."""
+    def first_chunk(self, index: int = 0) -> str | None:
+        """Chat streams open with the assistant role (one chunk per choice), as OpenAI's do."""
         if self.req.kind != "chat":
             return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         return self._chunk([choice])
 
-    def delta_chunk(self, text: str, token_ids: list[int], finish: str | None) -> str:
-        choice = self._choice(text, token_ids, finish, delta=True)
+    def delta_chunk(self, text: str, token_ids: list[int], finish: str | None, stop_reason: str | None = None,
+                    index: int = 0, logprobs: dict | None = None) -> str:
+        choice = self._choice(text, token_ids, finish, True, stop_reason, index, logprobs)
         if self.req.kind == "chat" and finish is not None and not text:
             choice["delta"] = {}
         return self._chunk([choice])
@@ -375,15 +418,19 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class IncrementalText:
-    """Text of a growing token list, emitted as suffixes; text ending in an incomplete UTF-8 sequence waits."""
+    """Text of a growing token list, emitted as suffixes; text ending in an incomplete UTF-8 sequence waits, and so
+    does a tail that could still become one of `hold` (stop strings cut from the output): it is never sent early."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode, self.sent = decode, 0
+    def __init__(self, decode: Callable[[list[int]], str], hold: Sequence[str] = ()) -> None:
+        self.decode, self.sent, self.hold = decode, 0, tuple(hold)
 
-    def update(self, ids: list[int], final: bool) -> str:
-        text = self.decode(ids)
+    def update(self, ids: list[int], final: bool, text: str | None = None) -> str:
+        """The new text of `ids` (or the final `text` given, e.g. the output cut at a stop string)."""
+        text = self.decode(ids) if text is None else text
         if not final and text.endswith("\ufffd"):
             return ""
+        if not final:
+            text = text[: len(text) - partial_stop_len(text, self.hold)]
         delta = text[self.sent:]
         self.sent = max(self.sent, len(text))
         return delta

@@ -12,6 +12,7 @@ Per slot, two counters:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -60,6 +61,11 @@ class KVCache:
     def length(self, slot: int) -> int:
         return self.slots[slot].length
 
+    @property
+    def span(self) -> int:
+        """Positions per slot along a layer's position axis (the paged cache's: its whole pool)."""
+        return self.max_len
+
     def bytes_used(self) -> int:
         per_pos = sum(t[0, :, 0].numel() * t.element_size() for t in self.k + self.v)
         return per_pos * sum(s.length for s in self.slots)
@@ -99,3 +105,14 @@ class KVCache:
         assert start == s.length and n == s.pending, "write must cover exactly the reserved block"
         self.k[layer][slot, :, start : start + n] = k
         self.v[layer][slot, :, start : start + n] = v
+
+    def kv_rows(self, segments: Sequence, device: torch.device) -> torch.Tensor:
+        """[N K] rows of a layer viewed as [slots K T, hd] that the segments' N new tokens' K/V go to, token-major."""
+        K = self.k[0].shape[1]
+        slot = torch.tensor([s.slot for s in segments for _ in range(s.length)])
+        pos = torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)])
+        return ((slot[:, None] * K + torch.arange(K)) * self.max_len + pos[:, None]).reshape(-1).to(device)
+
+    def read(self, layer: int, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of positions 0 .. n-1: [num_kv_heads, n, head_dim] each (views)."""
+        return self.k[layer][slot, :, :n], self.v[layer][slot, :, :n]

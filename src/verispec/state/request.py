@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verispec.execution.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.execution.logprobs import TokenLogprobs
 
 _ids = itertools.count()
 
@@ -19,6 +22,7 @@ class RequestStats:
     ttft_s: float = 0.0  # first token time - request start
     e2e_s: float = 0.0  # last token time - request start
     prefill_s: float = 0.0
+    stop_trimmed_tokens: int = 0  # tokens sampled or accepted past the point where a stop string ended the text
 
     @property
     def tok_per_s(self) -> float:
@@ -40,6 +44,7 @@ class RequestStats:
             "prefill_s": round(self.prefill_s, 6),
             "tok_per_s": round(self.tok_per_s, 3),
             "decode_tok_per_s": round(self.decode_tok_per_s, 3),
+            "stop_trimmed_tokens": self.stop_trimmed_tokens,
         }
 
 
@@ -114,6 +119,10 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     spec: SpecStats = field(default_factory=SpecStats)
     error: str | None = None  # why the request failed, with finish_reason "error"
+    stop_reason: str | None = None  # the stop string that ended the output (finish_reason "stop")
+    stop_text: str | None = None  # the output text cut at that stop string (decoding output_ids runs past it)
+    # per output token when params.logprobs is set (execution/logprobs.py), aligned with output_ids
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -133,6 +142,17 @@ class Request:
         assert self.num_computed == cache_length, f"{self.request_id}: computed {self.num_computed} != cache {cache_length}"
         assert self.num_computed <= len(self.all_ids), "KV exists for tokens the request does not have"
         assert len(self.output_ids) <= self.params.max_tokens
+        assert not self.output_logprobs or len(self.output_logprobs) == len(self.output_ids), "logprobs misaligned"
+
+    def truncate_output(self, n: int) -> list[int]:
+        """Keep the first n output tokens (a stop string ended the text inside a commit); returns those dropped.
+        Anything kept per output token beside `output_ids` is cut here too."""
+        assert 0 <= n <= len(self.output_ids), f"{self.request_id}: cannot keep {n} of {len(self.output_ids)} tokens"
+        dropped = self.output_ids[n:]
+        del self.output_ids[n:]
+        del self.output_logprobs[n:]
+        self.stats.output_tokens = n
+        return dropped
 
     def append(self, tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
         """Append sampled tokens, stopping at EOS / stop tokens / max_tokens. Returns the tokens kept."""
