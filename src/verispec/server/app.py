@@ -11,29 +11,24 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import time
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from verispec.server.generation import Generation
 from verispec.server.lifecycle import AFTER_FAIL_S, DEFAULT_SHUTDOWN_TIMEOUT, Lifecycle
-from verispec.server.limits import (DEFAULT_MAX_REQUEST_BYTES, check_json, check_prompt_bytes, prompt_byte_limit,
-                                    read_body)
-from verispec.server.fanout import choice_params, drain, interleave
-from verispec.server.logprobs import LogprobsFormatter, token_text
-from verispec.server.metrics import RequestRecord, ServerMetrics
+from verispec.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from verispec.server.metrics import ServerMetrics
 from verispec.server.openapi import install_openapi
-from verispec.server.protocol import (MAX_N, SSE_DONE, APIError, IncrementalText, ParsedRequest, ResponseBuilder,
-                                      ServedModel, bad_request, error_body, parse_chat, parse_completion,
-                                      parse_json, sse)
+from verispec.server.protocol import MAX_N, APIError, ServedModel, error_body, parse_chat, parse_completion
 
 if TYPE_CHECKING:
     from verispec.api import LLM
@@ -76,121 +71,9 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-class Run:
-    """One submitted request: its events, metrics record and client-disconnect watcher."""
-
-    def __init__(self, request: Request, stream: Any, record: RequestRecord) -> None:
-        self.stream, self.record = stream, record
-        self.ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.stop_reason: str | None = None  # the stop string that ended the output
-        self.stop_text: str | None = None  # the output text cut at it (decoding `ids` runs past the cut)
-        self.logprobs: list[Any] = []  # per token of `ids`, when the request asked for logprobs
-        self.ended = False
-        self._watcher = asyncio.create_task(self._abort_on_disconnect(request))
-
-    async def _abort_on_disconnect(self, request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        if not self.ended:
-            log.info("client went away: aborting %s", self.stream.request_id)
-            self.stream.abort()
-
-    async def events(self) -> AsyncIterator[Any]:
-        try:
-            async for ev in self.stream:
-                self.ids.extend(ev.token_ids)
-                self.logprobs.extend(ev.logprobs or ())
-                self.record.on_tokens(len(ev.token_ids))
-                if ev.error or ev.finish_reason == "error":
-                    self.error = ev.error or "the engine failed on this request"
-                elif ev.finish_reason is not None:
-                    self.finish_reason = ev.finish_reason
-                    self.stop_reason, self.stop_text = ev.stop_reason, ev.stop_text
-                if self.error or self.finish_reason:
-                    self.ended = True
-                    self.record.finish(self.finish_reason, error=self.error is not None)
-                yield ev
-                if self.ended:
-                    return
-        except Exception as e:  # noqa: BLE001 - the stream itself failed: this request ends with an error
-            log.exception("stream of %s failed", self.stream.request_id)
-            self.error = f"{type(e).__name__}: {e}"
-            self.ended = True
-            self.record.finish(None, error=True)
-
-    def close(self) -> None:
-        self._watcher.cancel()
-        if not self.ended:  # the client left, or the response was cancelled: free the slot now
-            self.ended = True
-            self.stream.abort()
-            self.record.finish("abort")
-
-
-def close(runs: list[Run]) -> None:
-    for run in runs:
-        run.close()
-
-
-def whole_choice(builder: ResponseBuilder, run: Run, index: int, decode: Callable[[list[int]], str],
-                 token_str: Callable[[int], str]) -> dict[str, Any]:
-    """Choice `index` of a whole (non-streamed) response: text (cut at a stop string), logprobs if asked."""
-    text = decode(run.ids) if run.stop_text is None else run.stop_text
-    lp = None
-    if builder.req.params.logprobs is not None:
-        lp = LogprobsFormatter(builder.req.kind, token_str).format(run.logprobs)
-    return builder.choice(text, run.ids, run.finish_reason, run.stop_reason, index, lp)
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that calls `on_end` once it is over: sent whole, failed, or cancelled before it started."""
-
-    def __init__(self, events: AsyncIterator[str], on_end: Callable[[], Any]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_end = on_end
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_end()
-
-
-def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = None, api_key: str | None = None,
-               manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
-    """The app over `engine`, a BackgroundEngine of `llm`'s engine (`BackgroundEngine(llm.engine,
-    llm.check_prompt_ids)`); `llm` parses prompts and decodes tokens. `manage_engine` starts / shuts the engine down
-    with the app. Bodies over `max_request_bytes` get a 413; on shutdown (served by `make_server`) running requests
-    get `shutdown_timeout` seconds to finish (server/lifecycle.py)."""
-    from verispec.engine.background import EngineOverloaded, RequestTooLong
-
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    served = served_model(llm, model_name)
-    token_str = token_text(llm.tokenizer)
-    lifecycle, prompt_bytes = Lifecycle(shutdown_timeout), prompt_byte_limit(llm)
-    metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
-                                              "batch_invariant": llm.model.batch_invariant})
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if manage_engine:
-            engine.start()
-        try:
-            yield
-        finally:
-            if manage_engine:
-                await asyncio.to_thread(engine.shutdown)
-
-    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(app, llm.max_model_len, llm.model.cfg.vocab_size, MAX_N)  # request / response schemas
-    app.state.llm, app.state.engine, app.state.metrics, app.state.served = llm, engine, metrics, served
-    app.state.lifecycle = lifecycle
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body: ours with their status, FastAPI's validation as 400, unknown routes as 404 /
+    405 naming the routes, anything else as a 500 that names the exception (logged with its traceback)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -214,94 +97,40 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"), 500)
 
-    def submit(req: ParsedRequest, index: int = 0) -> Any:
-        try:
-            return engine.submit(req.prompt_ids, choice_params(req.params, index))
-        except EngineOverloaded as e:
-            retry = max(1, math.ceil(e.retry_after))
-            raise APIError(503, f"The server is overloaded: {e}. Retry after {retry} s.", type="server_error",
-                           code="server_overloaded", headers={"Retry-After": str(retry)}) from None
-        except RequestTooLong as e:
-            raise bad_request(str(e), "max_tokens", "context_length_exceeded") from None
-        except ValueError as e:
-            raise bad_request(str(e)) from None
 
-    def parse_request(raw: bytes, parse: Callable[..., ParsedRequest]) -> ParsedRequest:
-        """JSON, shape checks and tokenising: on a worker thread, so a big prompt never stalls the event loop."""
-        body = parse_json(raw)
-        check_json(body)
-        check_prompt_bytes(body, prompt_bytes)
-        return parse(body, llm, served)
+def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = None, api_key: str | None = None,
+               manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
+    """The app over `engine`, a BackgroundEngine of `llm`'s engine (`BackgroundEngine(llm.engine,
+    llm.check_prompt_ids)`); `llm` parses prompts and decodes tokens. `manage_engine` starts / shuts the engine down
+    with the app. Bodies over `max_request_bytes` get a 413; on shutdown (served by `make_server`) running requests
+    get `shutdown_timeout` seconds to finish (server/lifecycle.py)."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    served = served_model(llm, model_name)
+    lifecycle = Lifecycle(shutdown_timeout)
+    metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
+                                              "batch_invariant": llm.model.batch_invariant})
 
-    async def generate(request: Request, parse: Callable[..., ParsedRequest]) -> Response:
-        arrival = time.perf_counter()
-        lifecycle.admit()
-        lifecycle.enter()
-        streaming = False  # once handed over, the EventStream tells the lifecycle it ended
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            engine.start()
         try:
-            raw = await read_body(request, max_request_bytes)
-            req = await asyncio.to_thread(parse_request, raw, parse)
-            lifecycle.admit()
-            runs = start_runs(request, req, arrival)
-            builder = ResponseBuilder(req, served.id)
-            if req.stream:
-                streaming = True
-                return EventStream(sse_events(runs, builder), lambda: (close(runs), lifecycle.exit()))
-            try:
-                await drain(runs)
-            finally:
-                close(runs)
-            failed = next((r for r in runs if r.error), None)
-            if failed is not None:
-                raise lifecycle.stopped(failed.error)  # type: ignore[arg-type]
-            choices = [whole_choice(builder, run, i, llm.decode, token_str) for i, run in enumerate(runs)]
-            return JSONResponse(builder.full_response(choices, sum(len(r.ids) for r in runs)))
+            yield
         finally:
-            if not streaming:
-                lifecycle.exit()
+            if manage_engine:
+                await asyncio.to_thread(engine.shutdown)
 
-    def start_runs(request: Request, req: ParsedRequest, arrival: float) -> list[Run]:
-        """One engine request per choice (`n`); if one cannot be submitted, those already are aborted."""
-        runs: list[Run] = []
-        try:
-            for i in range(req.n):
-                runs.append(Run(request, submit(req, i), metrics.track(arrival, len(req.prompt_ids))))
-        except BaseException:
-            close(runs)
-            raise
-        return runs
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app, llm.max_model_len, llm.model.cfg.vocab_size, MAX_N)  # request / response schemas
+    app.state.llm, app.state.engine, app.state.metrics, app.state.served = llm, engine, metrics, served
+    app.state.lifecycle = lifecycle
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
-    async def sse_events(runs: list[Run], builder: ResponseBuilder) -> AsyncIterator[str]:
-        """The choices' chunks as their tokens come (each tagged with its index), usage, one [DONE]."""
-        p, kind = builder.req.params, builder.req.kind
-        texts = [IncrementalText(llm.decode, () if p.include_stop_str_in_output else p.stop) for _ in runs]
-        fmts = [LogprobsFormatter(kind, token_str) if p.logprobs is not None else None for _ in runs]
-        try:
-            for i in range(len(runs)):
-                first = builder.first_chunk(i)
-                if first:
-                    yield first
-            async with aclosing(interleave(runs)) as events:  # closed at once on an error's break
-                async for i, ev in events:
-                    run = runs[i]
-                    if run.error:
-                        break
-                    delta = texts[i].update(run.ids, final=run.finish_reason is not None, text=run.stop_text)
-                    fmt = fmts[i]
-                    lp = fmt.format(ev.logprobs or []) if fmt is not None and ev.token_ids else None
-                    show = (builder.req.return_token_ids or lp) and ev.token_ids
-                    if delta or run.finish_reason is not None or show:
-                        yield builder.delta_chunk(delta, list(ev.token_ids), run.finish_reason, run.stop_reason, i, lp)
-            failed = next((r for r in runs if r.error), None)
-            if failed is not None:
-                yield sse(lifecycle.stopped(failed.error).body())  # type: ignore[arg-type]
-            else:
-                tail = builder.usage_chunk(sum(len(r.ids) for r in runs))
-                if tail:
-                    yield tail
-            yield SSE_DONE
-        finally:
-            close(runs)
+    _install_error_handlers(app)
+    generate = Generation(llm, engine, served, metrics, lifecycle, max_request_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
