@@ -1,5 +1,5 @@
 """The `verispec` command line: models (pull / list), generate, serve, bench (single / sweep), demo, train,
-drafters (list), audit."""
+drafters (list), audit, doctor."""
 
 from __future__ import annotations
 
@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_audit_args(sub.add_parser("audit", help="paired quality per domain: a candidate configuration or endpoint "
                                                 "against a reference (win counts, sign test, bootstrap intervals)"))
+    from verispec.doctor.run import add_doctor_args
+
+    add_doctor_args(sub.add_parser("doctor", help="check the chain checkpoint -> drafter -> method -> target "
+                                                  "interface -> verifier, then greedy identity and the state oracle"))
     drafters = sub.add_parser("drafters", help="trained drafters shipped with verispec")
     drafters.add_subparsers(dest="drafters_command", required=True).add_parser("list", help="names and model cards")
     return ap
@@ -336,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "drafters":
             return cmd_drafters(args)
+        if args.command == "doctor":
+            from verispec.doctor.run import run_doctor_cli
+
+            return run_doctor_cli(args)
         if args.command == "audit":
             from verispec.audit.cli import run_audit_cli
 
