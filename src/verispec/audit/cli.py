@@ -12,12 +12,16 @@ from verispec.models.hub import DEFAULT_MODEL
 
 
 def add_audit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--candidate", required=True,
+    from verispec.audit.sweep_cli import add_sweep_parser
+
+    add_sweep_parser(p.add_subparsers(dest="audit_command", required=False, metavar="{sweep}"))
+    p.add_argument("--candidate", default=None,
                    help="SPEC of the side under test: `plain`, engine keys (`method=ngram,k=4,dtype=float32`, or a "
                         "JSON object; keys method, k, drafter, scheduler, rule, threshold_single, threshold_acc, "
                         "dtype, quantization, adaptive, invariant, model, label) or an OpenAI-compatible endpoint "
                         "(`url=http://host:port/v1,model=NAME[,key=KEY]`)")
-    p.add_argument("--reference", required=True, help="SPEC of the side compared against (same syntax)")
+    p.add_argument("--reference", default=None, help="SPEC of the side compared against (same syntax; both are "
+                                                     "required unless the subcommand is `sweep`)")
     p.add_argument("--domains", default=None,
                    help="comma list of shipped domains (front_end, agent, creative, safety, coding; default: all)")
     p.add_argument("--items", default=None, help="a JSONL of audit items in the shipped format, instead of domains")
@@ -74,6 +78,13 @@ def run_audit_cli(args: argparse.Namespace) -> int:
     from verispec.audit.runner import build_sides, run_audit
     from verispec.bench.report import markdown_table
 
+    if getattr(args, "audit_command", None) == "sweep":
+        from verispec.audit.sweep_cli import run_sweep_cli
+
+        return run_sweep_cli(args, parse_temperatures(args.temperature),
+                             lambda: load_audit_items(args.domains, args.items, args.limit))
+    if not args.candidate or not args.reference:
+        raise ValueError("verispec audit needs --candidate SPEC and --reference SPEC (or `verispec audit sweep ...`)")
     candidate, reference = parse_spec(args.candidate), parse_spec(args.reference)  # bad input fails first
     temps = parse_temperatures(args.temperature)
     if args.samples < 1 or args.bootstrap < 100 or args.concurrency < 1 or args.max_num_seqs < 1:

@@ -22,6 +22,9 @@ from verispec.audit.spec import EndpointSpec, EngineSpec, Spec
 
 Grader = Callable[[AuditItem, str], Any]  # -> Grade(score, passed, details)
 SIDES = ("reference", "candidate")
+# per-request engine counters kept in each in-process record's "engine" field (the sweep sums them)
+ENGINE_COUNTERS = ("steps", "num_draft_tokens", "num_accepted_tokens", "num_relaxed_accepted_tokens", "tv_positions",
+                   "tv_mean")
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class EngineSide:
             for j, r in zip(chunk, res):
                 s = r.stats
                 out.append(Generation(r.text, list(r.token_ids), r.finish_reason, ids[j.item.id], stats={
-                    "tau": s.get("mean_acceptance_length"), "lossy": s.get("lossy"), "path": s.get("path")}))
+                    "tau": s.get("mean_acceptance_length"), "lossy": s.get("lossy"), "path": s.get("path"),
+                    **{k: s.get(k) for k in ENGINE_COUNTERS}}))
             bar.update(len(chunk))
         bar.close()
         return out
@@ -267,6 +271,7 @@ def record(side: str, job: Job, g: Generation, grader: Grader, describe: str) ->
         "output_tokens": len(g.token_ids) if g.token_ids is not None else None, "finish_reason": g.finish_reason,
         "score": score, "passed": passed, "grade": details, "error": error,
         "tau": g.stats.get("tau"), "lossy": g.stats.get("lossy"), "margin": None, "near_tie": None,
+        "engine": {k: g.stats[k] for k in ENGINE_COUNTERS if k in g.stats} or None,
     }
 
 

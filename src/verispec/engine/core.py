@@ -311,6 +311,7 @@ class Engine:
                 lv.probe = lv.estimator.plain_step()
         lv.req.spec.record(g, verdict.accepted, draft_s=lv.draft_s, forward_s=timing.forward_s, verify_s=verify_s,
                            sched_s=timing.sched_s, state_s=state_s)
+        lv.req.spec.record_drift(verdict.relaxed, verdict.tv_sum, verdict.tv_positions)
         self.counters.record(g, verdict.accepted)
 
     # ---- admission and release ------------------------------------------------------------------

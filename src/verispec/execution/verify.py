@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.execution.drift import lossy_drift
 from verispec.execution.sampling import SamplingParams, target_probs
 
 
@@ -25,6 +26,11 @@ from verispec.execution.sampling import SamplingParams, target_probs
 class Verdict:
     accepted: int  # n, the number of draft tokens kept
     tokens: list[int]  # x_1..x_n followed by the recovered or bonus token: n + 1 tokens
+    # measured for the relaxed rules only (execution/drift.py): accepted draft tokens the exact test rejected, and
+    # the summed total-variation distance to p over the verified positions 1..min(n + 1, g)
+    relaxed: int = 0
+    tv_sum: float = 0.0
+    tv_positions: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,10 @@ def verify_sampled(
     else:
         last = p[n]
     extra = int(torch.multinomial(last, 1, generator=generator))
-    return Verdict(n, draft[:n].tolist() + [extra])
+    if rule.rule == "exact":
+        return Verdict(n, draft[:n].tolist() + [extra])
+    drift = lossy_drift(draft, q, p[:g], ok, u * q_x <= p_x, n, rule)  # consumes no randomness
+    return Verdict(n, draft[:n].tolist() + [extra], *drift)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:

@@ -64,6 +64,11 @@ class SpecStats:
     sched_s: float = 0.0  # planning the step and the policy's decisions
     state_s: float = 0.0  # committing KV, drafter feedback, appending tokens
     lossy: bool = False
+    # a relaxed acceptance rule's drift (execution/drift.py; the exact rule measures none): accepted draft tokens the
+    # exact test would have rejected, summed per-position total-variation distance to the target, positions measured
+    relaxed: int = 0
+    tv_sum: float = 0.0
+    tv_positions: int = 0
 
     def record(self, drafted: int, accepted: int, *, draft_s: float, forward_s: float, verify_s: float,
                sched_s: float, state_s: float) -> None:
@@ -82,6 +87,13 @@ class SpecStats:
         self.verify_s += verify_s
         self.sched_s += sched_s
         self.state_s += state_s
+
+    def record_drift(self, relaxed: int, tv_sum: float, positions: int) -> None:
+        assert 0 <= relaxed and 0 <= positions and tv_sum >= -1e-9
+        self.relaxed += relaxed
+        self.tv_sum += tv_sum
+        self.tv_positions += positions
+        assert self.relaxed <= self.accepted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -102,6 +114,9 @@ class SpecStats:
             "sched_s": round(self.sched_s, 6),
             "state_s": round(self.state_s, 6),
             "lossy": self.lossy,
+            "num_relaxed_accepted_tokens": self.relaxed,
+            "tv_mean": self.tv_sum / self.tv_positions if self.tv_positions else None,
+            "tv_positions": self.tv_positions,
         }
 
 
