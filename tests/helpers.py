@@ -62,12 +62,13 @@ def make_app(tiny_dir: Path, speculative_config: dict | None = None, scheduler: 
 
 
 @contextmanager
-def live(app) -> Iterator[str]:
-    """`app` served by uvicorn on a free local port in a daemon thread; yields its base URL."""
+def serving(app, shutdown_timeout: float | None = None) -> Iterator[tuple[str, Any, threading.Thread]]:
+    """`app` on uvicorn at a free local port in a daemon thread; yields (base URL, server, thread)."""
     from verispec.server.app import make_server
 
     urls: list[str] = []
-    server = make_server(app, "127.0.0.1", 0, log_level="warning", on_ready=urls.append)
+    server = make_server(app, "127.0.0.1", 0, log_level="warning", on_ready=urls.append,
+                         shutdown_timeout=shutdown_timeout)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -75,10 +76,17 @@ def live(app) -> Iterator[str]:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.01)
     try:
-        yield urls[0]
+        yield urls[0], server, thread
     finally:
         server.should_exit = True
-        thread.join(15)
+        thread.join(30)
+
+
+@contextmanager
+def live(app) -> Iterator[str]:
+    """`app` served by uvicorn on a free local port in a daemon thread; yields its base URL."""
+    with serving(app) as (url, _, _):
+        yield url
 
 
 # ---- exact sequence distributions of a tiny-vocabulary target (the lossless-sampling tests) ---------------------

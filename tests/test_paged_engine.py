@@ -109,6 +109,20 @@ def test_prefix_cache_hits_counts_and_identity(tiny):
     cache.check()
 
 
+def test_requests_sharing_a_prompt_that_arrive_together_compute_it_once(tiny):
+    """Six requests with one system prompt, submitted at once with room for four: only the first prefills the nine
+    shared blocks; the others wait for them to be cached instead of computing them again, then hit them."""
+    path, hf = tiny
+    llm = _llm(path, max_num_seqs=4, enable_prefix_caching=True, check_state=True)
+    prompts = [SYSTEM + [i + 1, 2 * i + 1] for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(6), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 6)
+    assert llm.cache.prefix_queries == sum(map(len, prompts))
+    assert llm.cache.prefix_hits == 5 * 36, "each later request hits the 9 system blocks"
+    assert llm.engine.num_preemptions == 0
+
+
 def test_prefix_caching_is_off_for_drafters_that_read_every_prompt_hidden_state(tiny):
     """A feature drafter (EAGLE-3 / DFlash / DSpark) needs the target's hidden states at every prompt position,
     which a prefix hit would skip: the engine does not look prompts up for them."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.helpers import CTX, hf_greedy, make_app
+from tests.helpers import CTX, hf_greedy, make_app, serving
 from tests.helpers import live as live_app
 from verispec import LLM, SamplingParams
 from verispec.execution.sampling import target_probs
@@ -216,27 +216,6 @@ class SlowTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.real, name)
-
-
-@contextmanager
-def serving(app, shutdown_timeout: float | None = None) -> Iterator[tuple[str, Any, threading.Thread]]:
-    """`app` on uvicorn at a free local port in a thread; yields (url, server, thread)."""
-    from verispec.server.app import make_server
-
-    urls: list[str] = []
-    server = make_server(app, "127.0.0.1", 0, log_level="warning", on_ready=urls.append,
-                         shutdown_timeout=shutdown_timeout)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not urls:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield urls[0], server, thread
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_health_answers_while_a_prompt_is_tokenised(tiny_dir: Path) -> None:

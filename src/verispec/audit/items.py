@@ -7,12 +7,13 @@ Loading checks the item's shape; ``audit.graders.validate_item`` checks its ``ch
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from verispec.bench.workloads import parse_jsonl
 
 DOMAINS = ("front_end", "agent", "creative", "safety", "coding")
 _ROLES = ("system", "user", "assistant")
@@ -68,26 +69,7 @@ def _parse_item(obj: object, where: str) -> AuditItem:
 def _parse_text(text: str, source: str, limit: int | None) -> list[AuditItem]:
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    items: list[AuditItem] = []
-    seen: set[str] = set()
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if limit is not None and len(items) >= limit:
-            break
-        if not line.strip():
-            continue
-        where = f"{source}, line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-        item = _parse_item(obj, where)
-        if item.id in seen:
-            raise ValueError(f"{where}: duplicate id {item.id!r}")
-        seen.add(item.id)
-        items.append(item)
-    if not items:
-        raise ValueError(f"{source}: no audit items found")
-    return items
+    return parse_jsonl(text, source, limit, lambda obj, where, _: _parse_item(obj, where), "audit items")
 
 
 def load_domain(name: str, limit: int | None = None) -> list[AuditItem]:

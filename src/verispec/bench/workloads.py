@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Callable, TypeVar
 
+T = TypeVar("T")
 WORKLOADS = ("json_records", "templates", "markdown", "code", "chat")
 DEFAULT_MAX_TOKENS = 128
 
@@ -58,11 +60,14 @@ def _parse_line(obj: object, where: str, lineno: int, default_workload: str) -> 
     )
 
 
-def _parse_text(text: str, source: str, default_workload: str, limit: int | None) -> list[WorkloadPrompt]:
-    prompts: list[WorkloadPrompt] = []
+def parse_jsonl(text: str, source: str, limit: int | None, parse: Callable[[object, str, int], T],
+                noun: str) -> list[T]:
+    """One record per non-blank line of JSONL `text` (at most `limit`), each built by `parse(obj, where, lineno)`
+    and named by its `.id`; invalid JSON, duplicate ids or no record at all raise ValueError naming the line."""
+    records: list[T] = []
     seen: set[str] = set()
     for lineno, line in enumerate(text.splitlines(), 1):
-        if limit is not None and len(prompts) >= limit:
+        if limit is not None and len(records) >= limit:
             break
         if not line.strip():
             continue
@@ -71,14 +76,19 @@ def _parse_text(text: str, source: str, default_workload: str, limit: int | None
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-        p = _parse_line(obj, where, lineno, default_workload)
-        if p.id in seen:
-            raise ValueError(f"{where}: duplicate id {p.id!r}")
-        seen.add(p.id)
-        prompts.append(p)
-    if not prompts:
-        raise ValueError(f"{source}: no prompts found")
-    return prompts
+        r = parse(obj, where, lineno)
+        if r.id in seen:  # type: ignore[attr-defined]
+            raise ValueError(f"{where}: duplicate id {r.id!r}")  # type: ignore[attr-defined]
+        seen.add(r.id)  # type: ignore[attr-defined]
+        records.append(r)
+    if not records:
+        raise ValueError(f"{source}: no {noun} found")
+    return records
+
+
+def _parse_text(text: str, source: str, default_workload: str, limit: int | None) -> list[WorkloadPrompt]:
+    return parse_jsonl(text, source, limit, lambda obj, where, n: _parse_line(obj, where, n, default_workload),
+                       "prompts")
 
 
 def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[WorkloadPrompt]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from os.path import commonprefix
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -323,6 +324,8 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req, cb = self.waiting[0]
             hits = self._prefix_hits(req)
+            if self._prefix_pending(req, len(hits)):
+                return  # a running request is computing blocks this one shares: wait until they are cached
             need = admission_blocks(req, self.cache, hits, self.config.num_speculative_tokens)
             if self.running and self._step_blocks() + need > self.cache.pool.num_free:
                 return
@@ -338,6 +341,19 @@ class Engine:
         if not self.cache.prefix_caching or self.drafters.feature_layers:
             return []
         return self.cache.match(req.prompt_ids, len(req.all_ids) - 1)
+
+    def _prefix_pending(self, req: Request, hit_blocks: int) -> bool:
+        """A running request is still prefilling full prompt blocks this one shares past its cache hits: admitted
+        now it would compute them again (requests sharing a system prompt that arrive together would all miss);
+        it waits until they are committed, and so cached."""
+        if not self.cache.prefix_caching or self.drafters.feature_layers:
+            return False
+        mine, B = req.prompt_ids[: len(req.all_ids) - 1], self.cache.block_size
+        for lv in self.running:
+            shared = len(commonprefix([mine, lv.req.prompt_ids])) // B * B
+            if shared > hit_blocks * B and lv.req.num_computed < shared:
+                return True
+        return False
 
     def _start(self, req: Request, cb: TokenCallback | None, hits: list[int]) -> None:
         """Give the request its sequence in the cache (starting past its prefix hits) and a new drafter; a
