@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -158,7 +159,22 @@ def test_front_end_optional_render(monkeypatch, tmp_path):
     fake.write_text('#!/bin/sh\necho \'<html><body><div id="root" class="late"></div></body></html>\'\n')
     fake.chmod(0o755)
     g = front_end.grade(check, page)
-    assert g.score == 0.0 and g.details["rendered"] == {"satisfied": 1, "required": 1}
+    assert g.score == 0.0 and g.details["rendered"] == {"satisfied": 1, "required": 1, "blank": True}
+
+
+@pytest.mark.skipif(not any(map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))),
+                    reason="no headless Chromium installed (Debian: apt-get install chromium)")
+def test_front_end_render_in_real_chromium(monkeypatch):
+    """A real browser runs the page's scripts: a button built by a script is found; a page whose script empties
+    its body is reported blank although its source is not."""
+    monkeypatch.setenv("VERISPEC_AUDIT_RENDER", "1")
+    check = {"tags": ["button"], "classes": ["go"]}
+    built = '<div id="r"></div><script>document.getElementById("r").innerHTML = "<button class=go>Go</button>"</script>'
+    g = front_end.grade(check, built)
+    assert g.score == 0.0 and g.details["rendered"] == {"satisfied": 2, "required": 2, "blank": False}
+    emptied = '<button class="go">Go</button><script>document.body.innerHTML = ""</script>'
+    g = front_end.grade(check, emptied)
+    assert g.score == 1.0 and g.details["rendered"] == {"satisfied": 0, "required": 2, "blank": True}
 
 
 # ---------------------------------------------------------------- agent

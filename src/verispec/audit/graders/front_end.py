@@ -13,7 +13,8 @@ check = {
 Every entry is one requirement; score = fraction satisfied, passed = all satisfied. The HTML is the output's
 ``html``/``htm`` fences (``css`` fences become a <style>), else the whole output. With
 ``VERISPEC_AUDIT_RENDER=1`` and a headless Chromium on PATH the page is also rendered (scripts run) and the
-DOM requirements re-checked on the rendered DOM (``details["rendered"]``); it never changes the score.
+DOM requirements re-checked on the rendered DOM (``details["rendered"]``), with ``blank``: the rendered body shows
+no text and no visible element (image, form control, canvas, svg, video, iframe); it never changes the score.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from verispec.audit.graders.text import fenced_blocks
 
 KEYS = ("tags", "selectors", "attributes", "classes", "css", "texts")
 _PSEUDO = re.compile(r"::?[A-Za-z-]+(?:\([^)]*\))?")
+_VISIBLE = ("img", "input", "button", "select", "textarea", "canvas", "svg", "video", "iframe", "object", "embed")
 _CHROMIUM = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 
 
@@ -170,6 +172,14 @@ def _dom_results(check: dict[str, Any], doc) -> dict[str, bool]:
     return res
 
 
+def blank(doc: Any) -> bool:
+    """A rendered page that shows nothing: no text outside scripts and styles, no visible element in its body."""
+    body = doc.find(".//body")
+    root = body if body is not None else doc
+    text = "".join(t for t in root.xpath(".//text()[not(ancestor::script) and not(ancestor::style)]"))
+    return not text.strip() and not any(root.iter(*_VISIBLE))
+
+
 def render_dom(html: str, timeout_s: float = 20.0) -> str | None:
     """The DOM after a headless Chromium loads ``html`` (scripts run), or None when none is installed or it fails."""
     exe = next((p for p in map(shutil.which, _CHROMIUM) if p), None)
@@ -205,6 +215,6 @@ def grade(check: dict[str, Any], output: str) -> Grade:
         rendered = _parse(dom) if dom else None
         if rendered is not None:
             r2 = _dom_results(check, rendered)
-            details["rendered"] = {"satisfied": sum(r2.values()), "required": len(r2)}
+            details["rendered"] = {"satisfied": sum(r2.values()), "required": len(r2), "blank": blank(rendered)}
     score = details["satisfied"] / len(res)
     return Grade(score, score == 1.0, details)
