@@ -93,6 +93,26 @@ def test_dspark_without_confidences_uses_the_online_estimates():
     assert DSparkPolicy(costs).verify_lengths(probing, [Draft([1, 2, 3, 4])] * 2, 2) == [4, 2]
 
 
+def test_dspark_drafts_no_more_than_the_estimate_would_verify():
+    """Without confidences the verify-time admission reads the online estimate, which drafting does not change: the
+    draft length is that admission's, computed before drafting (a saturated batch drafts nothing)."""
+    costs = StepCosts(CostTable((1, 100), (1.0, 1.0 + 0.05 * 99)))
+    good, bad = AcceptanceEstimator(), AcceptanceEstimator()
+    for _ in range(30):
+        good.update(drafted=4, accepted=4, draft_s=0.0)
+        bad.update(drafted=4, accepted=0, draft_s=0.0)
+    cands = [Candidate(4, good, confidences=False), Candidate(4, bad, confidences=False)]
+    policy = DSparkPolicy(costs)
+    drafts = [Draft([1, 2, 3, 4])] * 2
+    assert policy.draft_lengths(cands, 2) == policy.verify_lengths(cands, drafts, 2) == [4, 0]
+    linear = StepCosts(CostTable((1, 64), (1.0, 64.0)))
+    assert DSparkPolicy(linear).draft_lengths([Candidate(4, good, confidences=False)] * 16, 16) == [0] * 16
+    # a due probe is drafted where it would pay, and a drafter with confidences still drafts its whole block
+    probing = [Candidate(4, good, confidences=False), Candidate(4, bad, probe=True, confidences=False)]
+    assert policy.draft_lengths(probing, 2) == [4, 2]
+    assert DSparkPolicy(linear).draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [4, 0]
+
+
 def test_static_and_unknown_names():
     cands = [Candidate(3, AcceptanceEstimator()), Candidate(0, AcceptanceEstimator())]
     p = StaticPolicy(StepCosts.flat())

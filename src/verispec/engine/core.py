@@ -207,7 +207,7 @@ class Engine:
         spec = plan.speculating
         if not spec:
             return
-        cands = [Candidate(self._limit(lv), lv.estimator, lv.probe) for lv in spec]
+        cands = [Candidate(self._limit(lv), lv.estimator, lv.probe, lv.confidences) for lv in spec]
         proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
         keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
         budget = plan.draft_budget
@@ -224,6 +224,8 @@ class Engine:
         d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
         lv.draft_s = time.perf_counter() - t
         lv.proposed = bool(d.tokens)
+        if d.tokens:
+            lv.confidences = d.confidence is not None
         return Draft(d.tokens[:k], None if d.probs is None else d.probs[:k],
                      None if d.confidence is None else d.confidence[:k])
 

@@ -30,6 +30,7 @@ class Candidate:
     limit: int  # most draft tokens it may take (max K, tokens left - 1, cache room)
     estimator: AcceptanceEstimator
     probe: bool = False  # the estimator asks for a short probe this step
+    confidences: bool = True  # its drafter may give per-position confidences (False once a draft came without)
 
 
 class Proposal(Protocol):
@@ -135,6 +136,16 @@ class GoodputPolicy(_CostAware):
 
 class DSparkPolicy(_CostAware):
     name = "dspark"
+
+    def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
+        """The whole block where the drafter's confidences will decide; where survival can only come from the
+        online estimate, no more than the admission on that same estimate would verify: drafting the rest is
+        wasted work (at a saturated batch, every token)."""
+        if all(c.confidences for c in cands):
+            return [c.limit for c in cands]
+        survivals = _with_probes(cands, [c.estimator.position_survival(c.limit) for c in cands])
+        admitted = admit_prefixes(survivals, self.costs, base_tokens, stop_at_first_drop=True)
+        return [c.limit if c.confidences else n for c, n in zip(cands, admitted)]
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         survivals = []
