@@ -97,6 +97,13 @@ def test_prometheus_parsing_of_three_families() -> None:
     info = 'verispec:engine_config_info{path="gguf-int4",dtype="bfloat16",cpu_flags="avx2 fma"} 1.0\n'
     assert parse_spec_metrics("# TYPE verispec:engine_config_info gauge\n" + info).config == {
         "path": "gguf-int4", "dtype": "bfloat16", "cpu_flags": "avx2 fma"}
+    for fam in ("verispec", "vllm"):  # the queue-time histogram: mean seconds from arrival to admission
+        hist = (f"# TYPE {fam}:request_queue_time_seconds histogram\n"
+                f'{fam}:request_queue_time_seconds_bucket{{{{le="+Inf"}}}} {{n}}\n'
+                f"{fam}:request_queue_time_seconds_count {{n}}\n{fam}:request_queue_time_seconds_sum {{s}}\n")
+        q0, q1 = parse_spec_metrics(hist.format(n=2, s=0.5)), parse_spec_metrics(hist.format(n=6, s=2.5))
+        assert q1.queue == (2.5, 6) and spec_delta(q0, q1)["queue_mean_s"] == pytest.approx(2.0 / 4)
+        assert spec_delta(q0, q1)["queued_requests"] == 4 and math.isnan(spec_delta(q1, q1)["queue_mean_s"])
     nothing = parse_spec_metrics("# TYPE up gauge\nup 1\n")
     assert nothing.family is None and math.isnan(spec_delta(nothing, nothing)["tau"])
     restarted = spec_delta(after, before)  # counters went backwards
@@ -211,6 +218,8 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert [r["level"] for r in rows] == ["c=1", "c=4", "rate=20/s"]
     for row in rows:
         assert row["completed"] == 8 and row["errors_by_class"] == "-" and row["identity"] == 1.0
+        ttfts = [r["ttft_s"] for r in records if r["level"] == row["level"]]
+        assert 0 <= row["queue_mean_ms"] <= max(ttfts) * 1e3  # the server's own wait, within what the client saw
         assert row["out_tok_per_s"] == pytest.approx(8 * MAX_TOKENS / row["duration_s"])
         assert row["goodput_req_per_s"] == pytest.approx(row["req_per_s"])
     assert max(r["max_in_flight"] for r in rows if r["level"] == "c=4") <= 4

@@ -163,3 +163,17 @@ def test_pool_sizing_and_requests_that_can_never_fit(tiny):
     llm.engine.check_fits(Request([1] * 10, _greedy(10)))  # 20 positions: 5 blocks
     with pytest.raises(RequestTooLong, match="more KV blocks than the cache's 5"):
         llm.engine.check_fits(Request([1] * 10, _greedy(11)))
+
+
+def test_queue_time_is_the_wait_for_a_batch_slot(tiny):
+    """queue_s runs from submission to admission: with one slot the second request waits for the whole first one
+    (its queue time covers the first's end-to-end time); with two slots neither waits past its first token."""
+    path, _ = tiny
+    p = [_greedy(12), _greedy(12)]
+    a, b = _llm(path, max_num_seqs=1).generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
+                                               p, use_tqdm=False)
+    assert 0 <= a.stats["queue_s"] < a.stats["ttft_s"] <= a.stats["e2e_s"]
+    assert b.stats["queue_s"] >= a.stats["e2e_s"] - 0.01 and b.stats["queue_s"] < b.stats["ttft_s"]
+    both = _llm(path, max_num_seqs=2).generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
+                                               p, use_tqdm=False)
+    assert all(0 <= o.stats["queue_s"] < o.stats["ttft_s"] for o in both)

@@ -301,6 +301,9 @@ def test_metrics_names_and_request_accounting(tiny_dir: Path) -> None:
     assert m['verispec:request_success_total{finished_reason="length"}'] == len(prompts)
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"verispec:{h}_count"] == len(prompts) and m[f"verispec:{h}_sum"] > 0
+    # requests one after another: each waited for admission less than for its first token
+    assert m["verispec:request_queue_time_seconds_count"] == len(prompts)
+    assert 0 <= m["verispec:request_queue_time_seconds_sum"] < m["verispec:time_to_first_token_seconds_sum"]
     assert m["verispec:num_requests_running"] == 0 and m["verispec:kv_cache_usage_perc"] == 0
 
 

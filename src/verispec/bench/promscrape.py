@@ -33,6 +33,7 @@ SGLANG_GAUGES = {"accept_length": "sglang:spec_accept_length", "accept_rate": "s
 CONFIG_INFO = "verispec:engine_config_info"  # which weight path ran, on which CPU (labels)
 BUSY_GAUGES = {"verispec:num_requests_running", "verispec:num_requests_waiting", "vllm:num_requests_running",
                "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs"}
+QUEUE_HISTOGRAMS = {"verispec:request_queue_time_seconds", "vllm:request_queue_time_seconds"}  # arrival -> admission
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SpecSnapshot:
     gauges: dict[str, float] = field(default_factory=dict)  # SGLang's accept_length / accept_rate
     busy: float | None = None  # requests running + waiting, where the server exports them
     config: dict[str, str] = field(default_factory=dict)  # verispec's engine_config_info labels: path, CPU flags
+    queue: tuple[float, float] | None = None  # (sum of seconds, count) of the queue-time histogram, where exported
 
 
 def _counter_name(sample_name: str) -> str:
@@ -61,10 +63,15 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     gauge_n: dict[str, int] = {}
     busy: float | None = None
     config: dict[str, str] = {}
+    queue = [0.0, 0.0, False]  # sum, count, seen
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == CONFIG_INFO:
                 config = dict(s.labels)
+            base, _, part = s.name.rpartition("_")
+            if base in QUEUE_HISTOGRAMS and part in ("sum", "count"):
+                queue[part == "count"] += s.value
+                queue[2] = True
             if s.name in BUSY_GAUGES:
                 busy = (busy or 0.0) + s.value
             name = _counter_name(s.name)
@@ -87,11 +94,12 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
                     seen.add("sglang")
     for key, n in gauge_n.items():
         found["sglang"].gauges[key] /= n
+    q = (queue[0], queue[1]) if queue[2] else None
     for f in (*FAMILIES, "sglang"):
         if f in seen:
-            found[f].busy, found[f].config = busy, config
+            found[f].busy, found[f].config, found[f].queue = busy, config, q
             return found[f]
-    return SpecSnapshot(busy=busy, config=config)
+    return SpecSnapshot(busy=busy, config=config, queue=q)
 
 
 def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
@@ -103,6 +111,10 @@ def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
                            "acceptance_rate": nan, "tau": nan, "per_pos_accepted": [], "per_pos_acceptance": []}
     if after is not None and after.config:
         out["engine_config"] = dict(after.config)
+    if before is not None and after is not None and before.queue and after.queue:
+        n = after.queue[1] - before.queue[1]
+        out["queue_mean_s"] = (after.queue[0] - before.queue[0]) / n if n > 0 else nan
+        out["queued_requests"] = n
     if before is None or after is None or after.family is None:
         return out
     out["spec_source"] = after.family

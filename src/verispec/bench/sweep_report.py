@@ -63,7 +63,8 @@ def summarize(res: LevelResult, slo: tuple[float | None, float | None, float | N
     s = res.spec
     row.update({"tau": s.get("tau", float("nan")), "acceptance_rate": s.get("acceptance_rate", float("nan")),
                 "drafts": s.get("drafts", float("nan")), "draft_tokens": s.get("draft_tokens", float("nan")),
-                "accepted": s.get("accepted", float("nan"))})
+                "accepted": s.get("accepted", float("nan")),
+                "queue_mean_ms": s.get("queue_mean_s", float("nan")) * 1e3})
     compared = [r for r in ok if r.identical is not None]
     row["identity"] = sum(r.identical for r in compared) / len(compared) if compared else float("nan")
     row["identity_n"] = len(compared)
@@ -272,8 +273,10 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
         "Per-position acceptance = accepted at position i / drafts (vLLM's convention). SGLang exports gauges "
         "(sglang:spec_accept_length / sglang:spec_accept_rate), not counters: its tau is the value at the level's "
         "end, not a delta.",
-        "Time to response headers is the closest a client gets to queueing time; servers that send headers before "
-        "scheduling (verispec, vLLM) make it an upper bound on admission, not the wait for a batch slot.",
+        "Queueing: queue_mean_ms is the server's own mean time from arrival to admission into the running batch, "
+        "over the requests admitted during the level (the delta of verispec:/vllm:request_queue_time_seconds); "
+        "NaN where the server exports no such histogram. Time to response headers is what a client sees of it: "
+        "servers that send headers before scheduling (verispec, vLLM) make it an upper bound on admission.",
     ]
     lat_keys = [k for k in rows[0] if any(k.endswith(f"_p{q}_{u}") for q in PCTS for u in ("ms", "s"))] if rows else []
     tables = [Table("Throughput, errors, speculation and identity per endpoint and level",

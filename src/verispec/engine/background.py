@@ -48,6 +48,7 @@ class TokenEvent:
     stop_reason: str | None = None  # on the last event: the stop string that ended the output
     stop_text: str | None = None  # with it: the output text cut there (decoding the tokens runs past the cut)
     logprobs: list[TokenLogprobs] | None = None  # of token_ids, when the request asked (execution/logprobs.py)
+    queue_s: float | None = None  # on the last event: seconds from submission to admission (None: never admitted)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class BackgroundEngine:
         reason = req.finish_reason
         lps = req.output_logprobs[len(req.output_ids) - len(tokens):] if req.params.logprobs is not None else None
         stream._push(TokenEvent(list(tokens), reason, req.error if reason == "error" else None, req.stop_reason,
-                                req.stop_text, lps))
+                                req.stop_text, lps, req.stats.queue_s if reason is not None else None))
         if reason is not None:
             with self._lock:
                 self._streams.pop(req.request_id, None)

@@ -381,6 +381,7 @@ class Engine:
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
             live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb)
+            req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore
         self.running.append(live)

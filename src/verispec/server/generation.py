@@ -69,7 +69,7 @@ class Run:
                     self.stop_reason, self.stop_text = ev.stop_reason, ev.stop_text
                 if self.error or self.finish_reason:
                     self.ended = True
-                    self.record.finish(self.finish_reason, error=self.error is not None)
+                    self.record.finish(self.finish_reason, error=self.error is not None, queue_s=ev.queue_s)
                 yield ev
                 if self.ended:
                     return

@@ -77,6 +77,8 @@ class ServerMetrics:
                               registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to its last output token.",
                              buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Request arrival to its admission into the "
+                               "running batch (requests that were admitted).", buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens generated.", registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
@@ -117,10 +119,12 @@ class RequestRecord:
         self.last, self.tokens = now, self.tokens + n
         self.m.generation_tokens.inc(n)
 
-    def finish(self, reason: str | None, error: bool = False) -> None:
+    def finish(self, reason: str | None, error: bool = False, queue_s: float | None = None) -> None:
         if self.done:
             return
         self.done = True
+        if queue_s is not None:
+            self.m.queue.observe(queue_s)
         if error:
             self.m.request_errors.inc()
             return

@@ -23,6 +23,7 @@ class RequestStats:
     e2e_s: float = 0.0  # last token time - request start
     prefill_s: float = 0.0
     stop_trimmed_tokens: int = 0  # tokens sampled or accepted past the point where a stop string ended the text
+    queue_s: float | None = None  # request start -> first admission into the running batch (None: never admitted)
 
     @property
     def tok_per_s(self) -> float:
@@ -45,6 +46,7 @@ class RequestStats:
             "tok_per_s": round(self.tok_per_s, 3),
             "decode_tok_per_s": round(self.decode_tok_per_s, 3),
             "stop_trimmed_tokens": self.stop_trimmed_tokens,
+            "queue_s": None if self.queue_s is None else round(self.queue_s, 6),
         }
 
 
