@@ -226,13 +226,16 @@ class EndpointSide:
 
 def _parse_choice(r: Any) -> Generation:
     try:
-        ch = r.json()["choices"][0]
+        body = r.json()
+        ch = body["choices"][0]
         text = (ch.get("message") or {}).get("content") or ""
     except (ValueError, KeyError, IndexError, TypeError) as e:
         return Generation("", None, error=f"malformed response ({type(e).__name__}): {r.text[:200]}")
     ids = ch.get("token_ids")
     ids = [int(t) for t in ids] if isinstance(ids, list) else None
-    return Generation(text, ids, ch.get("finish_reason"))
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    n = usage.get("completion_tokens")  # output tokens where the server gives no token ids (the sweep's tok/s)
+    return Generation(text, ids, ch.get("finish_reason"), stats={"completion_tokens": n} if isinstance(n, int) else {})
 
 
 def build_sides(candidate: Spec, reference: Spec, model: str, device: str | None = None,

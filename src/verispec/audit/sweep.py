@@ -95,7 +95,7 @@ def run_sweep(items: Sequence[AuditItem], reference: EngineSide, candidates: dic
                     for j, g in zip(jobs, ref_gens)]
         outer.update()
         for v, side in candidates.items():
-            gens, wall = _timed(side, jobs, progress, f"T={t:g} {side.spec.label}")
+            gens, wall = _timed(side, jobs, progress, f"T={t:g} {side.spec.label or side.describe()}")
             runs.append(_run(v, t, wall, gens))
             cand = [{**record("candidate", j, g, grader, side.describe()), "value": v} for j, g in zip(jobs, gens)]
             add_margins(cand, ref_gens, gens, reference, side)
@@ -106,7 +106,7 @@ def run_sweep(items: Sequence[AuditItem], reference: EngineSide, candidates: dic
 
 
 def _run(value: float | None, t: float, wall: float, gens: list) -> dict[str, Any]:
-    toks = sum(len(g.token_ids or []) for g in gens)
+    toks = sum(len(g.token_ids) if g.token_ids is not None else g.stats.get("completion_tokens") or 0 for g in gens)
     return {"value": value, "temperature": t, "wall_s": wall, "output_tokens": toks,
             "tok_per_s": toks / wall if wall > 0 else 0.0}
 
@@ -127,10 +127,11 @@ def drift_of(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def identical(refs: Sequence[dict[str, Any]], cands: Sequence[dict[str, Any]]) -> bool:
-    """Every candidate record has its reference pair's exact token ids and text."""
+    """Every candidate record has its reference pair's exact token ids (where both sides report them) and text."""
     by_key = {(r["item_id"], r["temperature"], r["sample"]): r for r in refs}
     return all((r := by_key.get((c["item_id"], c["temperature"], c["sample"]))) is not None
-               and r["token_ids"] == c["token_ids"] and r["text"] == c["text"] for c in cands)
+               and (r["token_ids"] is None or c["token_ids"] is None or r["token_ids"] == c["token_ids"])
+               and r["text"] == c["text"] for c in cands)
 
 
 def sweep_rows(records: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], n_resamples: int = 2000,

@@ -1,5 +1,6 @@
 """`verispec audit sweep --rule threshold --values 1.0,0.8,0.6,0.4 --temperature 0,1 [--method ngram] ...`: the
-acceptance-threshold sweep (audit/sweep.py) and its report (audit/sweep_report.py)."""
+acceptance-threshold sweep (audit/sweep.py) and its report (audit/sweep_report.py); with `--endpoint VALUE=SPEC`
+(repeated) one server per value instead (audit/sweep_endpoint.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,18 @@ def add_sweep_parser(sub: Any) -> None:
     p = sub.add_parser("sweep", help="one lossy acceptance rule at several values against strict verification: "
                                      "tau, tok/s, relaxed tokens, TV to the target, quality delta per domain")
     p.add_argument("--rule", default="threshold", help="the relaxed rule swept (default: %(default)s)")
-    p.add_argument("--values", default="1.0,0.8,0.6,0.4",
-                   help="comma list of values in (0, 1]; 1.0 is strict verification (default: %(default)s)")
+    p.add_argument("--values", default=None,
+                   help="comma list of values in (0, 1]; 1.0 is strict verification (default: 1.0,0.8,0.6,0.4; "
+                        "in process only)")
+    p.add_argument("--endpoint", action="append", default=[], metavar="VALUE=SPEC",
+                   help="endpoint mode, repeated: the OpenAI-compatible server that serves VALUE, e.g. "
+                        "0.8=url=http://host:30001,model=M (one SGLang server per "
+                        "--speculative-accept-threshold-single). The in-process options (--method, --k, --drafter, "
+                        "--scheduler, --dtype, --quantization, --model, --device, --max-model-len, --max-num-seqs) "
+                        "are not used; tau is read from each server's /metrics; relaxed %% and TV are n/a")
+    p.add_argument("--reference-endpoint", default=None, metavar="SPEC",
+                   help="endpoint mode: the strict-verification server (default: the --endpoint of value 1.0)")
+    p.add_argument("--concurrency", type=int, default=8, help="endpoint mode: requests in flight per server")
     p.add_argument("--param", default="threshold_acc", choices=("threshold_acc", "threshold_single", "both"),
                    help="what a value sets: threshold_acc (accept x with probability min(1, p(x) / (value q(x)))), "
                         "threshold_single (also accept whenever p(x) >= value) or both (default: %(default)s)")
@@ -54,7 +65,13 @@ def run_sweep_cli(args: argparse.Namespace, temps: list[float], load_items: Call
     from verispec.audit.sweep_report import build_sweep_report, write_sweep_report
     from verispec.bench.report import markdown_table
 
-    values = parse_values(args.values)
+    if args.endpoint or args.reference_endpoint:
+        from verispec.audit.sweep_endpoint import run_endpoint_sweep_cli
+
+        if args.values is not None:
+            raise ValueError("--values is for the in-process sweep; with --endpoint each VALUE=SPEC names its value")
+        return run_endpoint_sweep_cli(args, temps, load_items)
+    values = parse_values(args.values or "1.0,0.8,0.6,0.4")
     base = base_spec(args)  # bad input fails before any model loads
     value_spec(base, args.rule, args.param, values[0])
     if args.samples < 1 or args.bootstrap < 100 or args.max_num_seqs < 1:
