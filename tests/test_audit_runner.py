@@ -252,6 +252,23 @@ def test_a_degraded_candidate_is_caught(tiny_dir: Path, tmp_path: Path) -> None:
     assert paths["delta_per_domain"].stat().st_size > 1000 and "data:image/png;base64" in paths["html"].read_text()
 
 
+def test_truncate_key_is_the_negative_control(tiny_dir: Path) -> None:
+    """`truncate=N` keeps the first N tokens of what the same configuration would say (at T=1 too: same seeds), and
+    the audit catches the drop."""
+    spec = parse_spec("plain,dtype=float32,truncate=2")
+    assert spec.truncate == 2 and "truncate=2" in spec.describe()
+    for bad in ("plain,truncate=0", "plain,truncate=x"):
+        with pytest.raises(ValueError, match="truncate"):
+            parse_spec(bad)
+    cand, ref = build_sides(spec, parse_spec("plain,dtype=float32"), str(tiny_dir), max_num_seqs=4, progress=False)
+    recs = run_audit(items(12, max_tokens=16), cand, ref, [1.0], samples=2, grader=length_grader, progress=False)
+    by = {(r["item_id"], r["sample"]): r for r in recs if r["side"] == "reference"}
+    for c in (r for r in recs if r["side"] == "candidate"):
+        assert c["token_ids"] == by[(c["item_id"], c["sample"])]["token_ids"][:2]
+    s = rows(recs)[("all", 1.0)]
+    assert s["sign_p"] < 0.05 and s["ci_high"] < 0, s
+
+
 def test_endpoint_side_against_a_live_server(tiny_dir: Path) -> None:
     app, _ = make_app(tiny_dir)
     (plain,) = build_sides(parse_spec("plain,dtype=float32"), parse_spec("plain,dtype=float32"), str(tiny_dir),

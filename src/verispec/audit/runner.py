@@ -99,7 +99,9 @@ class EngineSide:
         bar = tqdm(total=len(jobs), desc=desc, disable=not progress, file=sys.stderr)
         for start in range(0, len(jobs), self.batch):
             chunk = jobs[start:start + self.batch]
-            params = [SamplingParams(temperature=j.temperature, max_tokens=j.max_tokens, seed=j.seed) for j in chunk]
+            cut = self.spec.truncate or 10**9  # a degraded candidate keeps only its first `truncate` tokens
+            params = [SamplingParams(temperature=j.temperature, max_tokens=min(j.max_tokens, cut), seed=j.seed)
+                      for j in chunk]
             res = self.llm.generate([{"prompt_token_ids": ids[j.item.id]} for j in chunk], params, use_tqdm=False)
             for j, r in zip(chunk, res):
                 s = r.stats

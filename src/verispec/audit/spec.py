@@ -20,7 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("static", "goodput", "dspark")
 RULES = ("exact", "threshold", "typical")
 ENGINE_KEYS = ("method", "k", "drafter", "scheduler", "rule", "threshold_single", "threshold_acc", "dtype",
-               "quantization", "adaptive", "invariant", "model", "label")
+               "quantization", "adaptive", "invariant", "model", "label", "truncate")
 ENDPOINT_KEYS = ("url", "model", "key", "label")
 _ALIASES = {"num_speculative_tokens": "k", "draft_model": "drafter", "acceptance_rule": "rule", "api_key": "key"}
 
@@ -42,6 +42,7 @@ class EngineSpec:
     invariant: bool | None = None
     model: str | None = None
     label: str | None = None
+    truncate: int | None = None  # every output cut to its first N tokens: a degraded candidate, the negative control
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, SPEC_METHODS)
@@ -53,6 +54,8 @@ class EngineSpec:
             _check_choice("quantization", self.quantization, ("gguf",))
         if self.k is not None and not (isinstance(self.k, int) and 1 <= self.k <= 64):
             raise ValueError(f"SPEC key k must be an integer in 1..64, got {self.k!r}")
+        if self.truncate is not None and not (isinstance(self.truncate, int) and self.truncate >= 1):
+            raise ValueError(f"SPEC key truncate must be a positive integer (tokens kept), got {self.truncate!r}")
         for name in ("threshold_single", "threshold_acc"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
@@ -91,7 +94,7 @@ class EngineSpec:
         if self.label:
             return self.label
         parts = ["plain" if self.method == "none" else f"method={self.method}"]
-        for name in ("k", "drafter", "scheduler", "adaptive", "quantization", "invariant", "model"):
+        for name in ("k", "drafter", "scheduler", "adaptive", "quantization", "invariant", "model", "truncate"):
             v = getattr(self, name)
             if v is not None:
                 parts.append(f"{name}={v}")
@@ -149,11 +152,11 @@ def _typed(key: str, value: Any) -> Any:
     """Strings from key=value text to the field's type (JSON values must already have it)."""
     if not isinstance(value, str):
         return value
-    if key == "k":
+    if key in ("k", "truncate"):
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"SPEC key k must be an integer, got {value!r}") from None
+            raise ValueError(f"SPEC key {key} must be an integer, got {value!r}") from None
     if key in ("threshold_single", "threshold_acc"):
         try:
             return float(value)
