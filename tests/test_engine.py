@@ -88,6 +88,69 @@ def test_requests_join_while_others_decode(tiny, references):
     assert eng.num_finished == len(PROMPTS)
 
 
+class FailingDrafter:
+    """Wraps a request's drafter; its third proposal raises, as a buggy or out-of-memory drafter would."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.calls, self.released = inner, inner.name, 0, False
+
+    def propose(self, context, k):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("drafter out of memory")
+        return self.inner.propose(context, k)
+
+    def observe(self, accepted: int) -> None:
+        self.inner.observe(accepted)
+
+    def release(self) -> None:
+        self.released = True
+        self.inner.release()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_failing_drafter_hurts_only_its_request(tiny, references, method):
+    """The request whose drafter raises decodes on without speculation (the target's output either way); the drafter
+    is released at once and the error is in its stats; every other request speculates on, all equal HF greedy."""
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model":
+        spec["model"] = tiny["draft"][0]
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              speculative_config=spec, check_state=True)
+    made, new = [], llm.drafters.new
+
+    def new_drafter(params, prompt_len):
+        d = new(params, prompt_len)
+        if prompt_len == len(PROMPTS[0]):
+            made.append(FailingDrafter(d))
+            return made[-1]
+        return d
+
+    llm.drafters.new = new_drafter
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == references["llama"]
+    assert len(made) == 1 and made[0].calls == 3 and made[0].released
+    assert outs[0].stats["drafter_error"] == "RuntimeError: drafter out of memory"
+    assert all(o.stats["drafter_error"] is None for o in outs[1:])
+    assert sum(o.stats["num_draft_tokens"] for o in outs[1:]) > 0  # the others kept speculating
+    assert llm.engine.kv_tokens() == 0 and not llm.engine.running
+
+
+def test_engine_reports_every_forward_to_the_policy(tiny):
+    """What the cost model learns from: each forward's tokens and sequences, counted independently from the stats
+    (the prompt's forward, then per decode step the pending token plus the verified draft)."""
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    seen = []
+    llm.engine.policy.observe_step = lambda tokens, segments, seconds: seen.append((tokens, segments, seconds))
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    # the prompt but its last token; the last token, sampling the first output token; then the decode steps
+    assert [t for t, _, _ in seen[:2]] == [len(PROMPTS[0]) - 1, 1] and all(s == 1 and sec > 0 for _, s, sec in seen)
+    assert len(seen) == 2 + out.stats["steps"] and out.stats["num_draft_tokens"] > 0
+    assert sum(t for t, _, _ in seen[2:]) == out.stats["steps"] + out.stats["num_draft_tokens"]
+
+
 def test_request_that_can_never_fit_is_refused_and_others_run(tiny, references):
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=40, max_num_seqs=2)
     with pytest.raises(RequestTooLong, match="exceeds the context of 40"):

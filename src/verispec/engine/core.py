@@ -221,13 +221,31 @@ class Engine:
         if k <= 0:
             return EMPTY
         t = time.perf_counter()
-        d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
+        try:
+            d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
+        except AssertionError:  # a broken invariant: the engine's state is suspect
+            raise
+        except Exception as exc:  # noqa: BLE001 - only this request's drafter failed: it decodes on without one
+            self._drop_drafter(lv, exc)
+            return EMPTY
         lv.draft_s = time.perf_counter() - t
         lv.proposed = bool(d.tokens)
         if d.tokens:
             lv.confidences = d.confidence is not None
         return Draft(d.tokens[:k], None if d.probs is None else d.probs[:k],
                      None if d.confidence is None else d.confidence[:k])
+
+    def _drop_drafter(self, lv: LiveRequest, exc: Exception) -> None:
+        """A drafter raised while proposing: the request goes on as plain decoding (the output is the target's
+        either way), the drafter is released, and the error is kept in the request's stats and logged."""
+        log.warning("drafter of request %s failed, decoding on without speculation: %s: %s", lv.req.request_id,
+                    type(exc).__name__, exc, exc_info=exc)
+        lv.req.stats.drafter_error = f"{type(exc).__name__}: {exc}"
+        drafter, lv.drafter = lv.drafter, None
+        try:
+            drafter.release()  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - already failed; nothing more to free
+            log.debug("release of a failed drafter raised", exc_info=True)
 
     def _limit(self, lv: LiveRequest) -> int:
         r = lv.req

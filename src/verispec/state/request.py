@@ -24,6 +24,7 @@ class RequestStats:
     prefill_s: float = 0.0
     stop_trimmed_tokens: int = 0  # tokens sampled or accepted past the point where a stop string ended the text
     queue_s: float | None = None  # request start -> first admission into the running batch (None: never admitted)
+    drafter_error: str | None = None  # its drafter raised while proposing; it then decoded on without one
 
     @property
     def tok_per_s(self) -> float:
@@ -47,6 +48,7 @@ class RequestStats:
             "decode_tok_per_s": round(self.decode_tok_per_s, 3),
             "stop_trimmed_tokens": self.stop_trimmed_tokens,
             "queue_s": None if self.queue_s is None else round(self.queue_s, 6),
+            "drafter_error": self.drafter_error,
         }
 
 
