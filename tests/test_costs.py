@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
-from verispec.engine.scheduler import Candidate, GoodputPolicy, StaticPolicy
-from verispec.engine.costs import AcceptanceEstimator, CostTable, StepCosts, expected_tokens
+from verispec.drafters.base import Draft
+from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts, expected_tokens
+from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy
 
 
 def test_expected_tokens_closed_form():
@@ -54,3 +56,54 @@ def test_expensive_verification_needs_high_acceptance():
     est = AcceptanceEstimator(prior=0.9)
     assert OneRequest(est).step(GoodputPolicy(steep), 8) == 0
     assert StaticPolicy(steep).draft_lengths([Candidate(5, est)], 1) == [5]
+
+
+# ---- the profile corrected by measured forwards ------------------------------------------------------------------
+
+def test_measured_costs_interpolate_extrapolate_and_clamp():
+    prior = StepCosts(CostTable((1, 128), (1.0, 128.0)))  # 1 s per token
+    m = MeasuredStepCosts(prior)
+    assert m(40, 4) == prior(40, 4)  # nothing measured: the profile
+    m.observe(32, 4, 64.0)  # one point: the profile's shape through it (x2)
+    assert math.isclose(m(48, 4), 96.0) and m(40, 1) == 40.0  # another segment count: still the profile
+    for _ in range(60):
+        m.observe(48, 4, 80.0)
+    assert math.isclose(m(40, 4), 72.0, rel_tol=1e-3)  # between 32 -> 64 and 48 -> 80: 1 s per token
+    assert math.isclose(m(64, 4), 96.0, rel_tol=1e-3) and math.isclose(m(16, 4), 48.0, rel_tol=1e-3)  # slope beyond
+    stalled = MeasuredStepCosts(prior)
+    stalled.observe(8, 1, 8.0)
+    stalled.observe(8, 1, 8000.0)  # one forward stalled 1000x: counted as 5x the estimate at most
+    assert math.isclose(stalled(8, 1), 0.8 * 8 + 0.2 * 40)
+
+
+def test_measured_costs_are_the_least_squares_line_and_never_fall():
+    prior = StepCosts(CostTable((1, 32, 48, 64), (1.0, 32.0, 48.0, 64.0)))
+    m = MeasuredStepCosts(prior, decay=0.0)
+    pts = {20: 30.0, 32: 96.0, 48: 48.0, 56: 100.0}  # a noisy cheap 48
+    for t, sec in pts.items():
+        m.observe(t, 4, sec)
+    slope, intercept = statistics.linear_regression(list(pts), list(pts.values()))
+    assert all(math.isclose(m(t, 4), intercept + slope * t) for t in (10, 33, 48, 70))
+    costs = [m(n, 4) for n in range(1, 80)]
+    assert all(a <= b for a, b in zip(costs, costs[1:]))
+    falling = MeasuredStepCosts(prior, decay=0.0)
+    falling.observe(10, 2, 50.0)
+    falling.observe(20, 2, 40.0)  # measured cheaper at more tokens: flat, never falling
+    assert falling(10, 2) == falling(30, 2) == 45.0
+
+
+def test_a_profile_that_underrates_verification_stops_misleading_dspark():
+    """The profile says extra tokens are nearly free; every forward really costs 1 per token. DSpark verifies drafts
+    at first, measures those forwards (their lengths vary from step to step, as drafts do), and stops: the measured
+    costs say drafts that survive 60% of the time do not pay."""
+    R = 16
+    prior = StepCosts(CostTable((1, 16, 32, 64, 128), (16.0, 16.0, 17.0, 18.0, 20.0)))  # flat: drafts look free
+    policy = DSparkPolicy(MeasuredStepCosts(prior))
+    cands = [Candidate(4, AcceptanceEstimator(prior=0.6), confidences=False) for _ in range(R)]
+    drafts = [[Draft([1, 2, 3, 4][: (r + i) % 5]) for r in range(R)] for i in range(5)]
+    assert sum(policy.verify_lengths(cands, drafts[0], R)) > 0
+    for i in range(40):
+        tokens = R + sum(policy.verify_lengths(cands, drafts[i % 5], R))
+        policy.observe_step(tokens, R, float(tokens))  # seconds = tokens
+    assert all(policy.verify_lengths(cands, d, R) == [0] * R for d in drafts)
+    assert policy.draft_lengths(cands, R) == [0] * R

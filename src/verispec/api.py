@@ -16,7 +16,7 @@ from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.drafters.features import target_features
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
-from verispec.engine.costs import StepCosts
+from verispec.engine.costs import MeasuredStepCosts, StepCosts
 from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.invariance import linears_row_invariant
@@ -264,7 +264,8 @@ class LLM:
         if self._engine is None:
             name = self.scheduler_name
             needs_costs = self.spec.method != "none" and name != "static"
-            policy = make_policy(name, self.costs if needs_costs else StepCosts.flat())
+            # the profile, corrected by this engine's own measured forwards
+            policy = make_policy(name, MeasuredStepCosts(self.costs) if needs_costs else StepCosts.flat())
             config = EngineConfig(max_num_seqs=self.max_num_seqs,
                                   max_num_batched_tokens=self.max_num_batched_tokens or max(512, self._max_step_tokens()),
                                   num_speculative_tokens=self.spec.num_speculative_tokens)

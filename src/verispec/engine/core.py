@@ -177,9 +177,11 @@ class Engine:
         plan = plan_step(self.running, self.config.max_num_batched_tokens)
         self._draft(plan)
         t_forward = time.perf_counter()
-        out = self.runner.run(self._blocks(plan))
+        blocks = self._blocks(plan)
+        out = self.runner.run(blocks)
         timing = StepTiming(sched_s=t_forward - t_start - sum(lv.draft_s for lv in plan.decode),
                             forward_s=time.perf_counter() - t_forward)
+        self.policy.observe_step(sum(len(b.tokens) for b in blocks), len(blocks), timing.forward_s)
         self._commit_prefill(plan, out)
         for i, lv in enumerate(plan.decode):
             try:

@@ -10,7 +10,7 @@ gets speculation back.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 
@@ -51,6 +51,64 @@ class StepCosts:
     @classmethod
     def flat(cls) -> "StepCosts":
         return cls(CostTable.flat())
+
+
+@dataclass
+class MeasuredStepCosts:
+    """The profiled step costs corrected by the engine's own forwards. Per number of sequences in the forward, each
+    token count the engine ran keeps an exponential average of its measured seconds; once two or more token counts
+    are measured, a query reads the least-squares line through them (slope at least 0: costs never fall as tokens
+    grow, and one noisy step cannot make the next token look free); with one, the profile's shape through it; with
+    none, the profile. A profile taken while the machine was busy, or at other contexts and batch shapes than the
+    ones served, stops misleading the policy after a few steps: the token counts where verification was underrated
+    are the ones the policy runs, so over-speculation corrects itself."""
+
+    prior: StepCosts
+    decay: float = 0.8  # weight of the old average at each measured forward
+    clamp: tuple[float, float] = (0.2, 5.0)  # one forward counts within these multiples of the current estimate
+    points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> measured seconds
+    _lines: dict[int, tuple[float, float] | None] = field(default_factory=dict, init=False)  # segments -> (a, b)
+
+    @property
+    def table(self) -> CostTable:
+        return self.prior.table
+
+    def observe(self, tokens: int, segments: int, seconds: float) -> None:
+        """One measured forward of `tokens` tokens over `segments` sequences."""
+        if tokens < 1 or segments < 1 or seconds <= 0:
+            return
+        pts = self.points.setdefault(segments, {})
+        old = pts.get(tokens)
+        ref = old if old is not None else self(tokens, segments)
+        lo, hi = self.clamp
+        x = min(hi * ref, max(lo * ref, seconds))  # a stall (or a lucky step) moves the estimate only so far
+        pts[tokens] = x if old is None else self.decay * old + (1 - self.decay) * x
+        self._lines.pop(segments, None)
+
+    def _line(self, segments: int) -> tuple[float, float] | None:
+        """(intercept, slope >= 0) of seconds against tokens over the measured token counts; None below two."""
+        if segments not in self._lines:
+            pts = self.points.get(segments) or {}
+            line = None
+            if len(pts) >= 2:
+                n = len(pts)
+                mt, mv = sum(pts) / n, sum(pts.values()) / n
+                var = sum((t - mt) ** 2 for t in pts)
+                b = max(0.0, sum((t - mt) * (v - mv) for t, v in pts.items()) / var)
+                line = (mv - b * mt, b)
+            self._lines[segments] = line
+        return self._lines[segments]
+
+    def __call__(self, tokens: int, segments: int = 1) -> float:
+        pts = self.points.get(segments)
+        if not pts:
+            return self.prior(tokens, segments)
+        line = self._line(segments)
+        if line is None:  # one measured token count: the profile's shape through it
+            (t0, v0), = pts.items()
+            return v0 * self.prior(tokens, segments) / self.prior(t0, segments)
+        a, b = line
+        return max(a + b * tokens, 0.1 * min(pts.values()))
 
 
 def step_sizes(max_tokens: int, cap: int = 128) -> tuple[int, ...]:

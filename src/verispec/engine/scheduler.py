@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from verispec.engine.costs import AcceptanceEstimator, StepCosts
+from verispec.engine.costs import AcceptanceEstimator, MeasuredStepCosts, StepCosts
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class Policy(Protocol):
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         """How many of each draft go into the target forward, after drafting and before verification."""
+        ...
+
+    def observe_step(self, tokens: int, segments: int, seconds: float) -> None:
+        """The step's forward as measured: `tokens` tokens over `segments` sequences took `seconds`."""
         ...
 
 
@@ -95,7 +99,7 @@ def admit_prefixes(
 
 
 class _CostAware:
-    def __init__(self, costs: StepCosts) -> None:
+    def __init__(self, costs: StepCosts | MeasuredStepCosts) -> None:
         self.costs = costs
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
@@ -103,6 +107,11 @@ class _CostAware:
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         return [len(d.tokens) for d in drafts]  # everything drafted is verified
+
+    def observe_step(self, tokens: int, segments: int, seconds: float) -> None:
+        observe = getattr(self.costs, "observe", None)  # MeasuredStepCosts corrects its profile; a plain table not
+        if observe is not None:
+            observe(tokens, segments, seconds)
 
 
 class StaticPolicy(_CostAware):
@@ -163,14 +172,14 @@ class DSparkPolicy(_CostAware):
         return [min(n, len(d.tokens)) for n, d in zip(lengths, drafts)]
 
 
-POLICIES: dict[str, Callable[[StepCosts], Policy]] = {
+POLICIES: dict[str, Callable[[StepCosts | MeasuredStepCosts], Policy]] = {
     "static": StaticPolicy,
     "goodput": GoodputPolicy,
     "dspark": DSparkPolicy,
 }
 
 
-def make_policy(name: str, costs: StepCosts) -> Policy:
+def make_policy(name: str, costs: StepCosts | MeasuredStepCosts) -> Policy:
     try:
         return POLICIES[name](costs)
     except KeyError:
