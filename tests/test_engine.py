@@ -151,6 +151,29 @@ def test_engine_reports_every_forward_to_the_policy(tiny):
     assert sum(t for t, _, _ in seen[2:]) == out.stats["steps"] + out.stats["num_draft_tokens"]
 
 
+def test_policy_weighs_drafts_against_the_decode_rows_only(tiny):
+    """A prefill chunk sharing the step must not make drafts look free: the policy's base is one token per decoding
+    request, whatever prompt tokens the same forward computes."""
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, scheduler="dspark")
+    eng, seen = llm.engine, []
+    verify_lengths = eng.policy.verify_lengths
+
+    def spy(cands, drafts, base_tokens):
+        seen.append((base_tokens, sum(lv.prefilled for lv in eng.running), len(eng.running)))
+        return verify_lengths(cands, drafts, base_tokens)
+
+    eng.policy.verify_lengths = spy
+    reqs = [Request(p, prm) for p, prm in zip(PROMPTS, _params())]
+    for i, r in enumerate(reqs):
+        eng.add_request(r)
+        for _ in range(4 if i < 3 else 0):  # later requests join while earlier ones decode
+            eng.step()
+    eng.run_to_completion()
+    assert all(base == decoding for base, decoding, _ in seen)
+    assert any(decoding < running for _, decoding, running in seen)  # steps that also prefilled a prompt
+
+
 def test_request_that_can_never_fit_is_refused_and_others_run(tiny, references):
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=40, max_num_seqs=2)
     with pytest.raises(RequestTooLong, match="exceeds the context of 40"):

@@ -70,8 +70,10 @@ class StepPlan:
 
     @property
     def base_tokens(self) -> int:
-        """Tokens in the step before any draft."""
-        return len(self.decode) + sum(c.length for c in self.prefill)
+        """What the policies weigh drafts against: the decode rows alone, one per decoding request. A prefill chunk
+        in the same forward is work of its own: counted in, it would make every draft token look nearly free next to
+        it and be verified even where, on a compute-bound machine, it costs more than it could gain."""
+        return len(self.decode)
 
     @property
     def speculating(self) -> list[LiveRequest]:
