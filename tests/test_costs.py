@@ -107,3 +107,24 @@ def test_a_profile_that_underrates_verification_stops_misleading_dspark():
         policy.observe_step(tokens, R, float(tokens))  # seconds = tokens
     assert all(policy.verify_lengths(cands, d, R) == [0] * R for d in drafts)
     assert policy.draft_lengths(cands, R) == [0] * R
+
+
+def test_probes_back_off_while_they_find_nothing():
+    """Probe gaps double while probes are rejected (8, 16, 32, 64, 64) and drop back to 8 after one that matched."""
+    est = AcceptanceEstimator()
+
+    def next_gap() -> int:
+        n = 1
+        while not est.plain_step():
+            n += 1
+        return n
+
+    gaps = []
+    for _ in range(5):
+        gaps.append(next_gap())
+        est.update(drafted=2, accepted=0, draft_s=0.0)
+    assert gaps == [8, 16, 32, 64, 64]
+    next_gap()
+    est.update(drafted=2, accepted=1, draft_s=0.0)  # this probe matched
+    est.update(drafted=4, accepted=0, draft_s=0.0)  # a failed ordinary draft, no probe: the gap stays
+    assert next_gap() == 8

@@ -13,10 +13,10 @@ from verispec.engine.costs import AcceptanceEstimator, CostTable, StepCosts
 
 
 def theta(lengths, survivals, costs, base):
-    """Expected committed tokens per second of a step with these draft lengths (written out directly)."""
-    R = len(survivals)
+    """Expected committed tokens per second of a step with these draft lengths (written out directly): `base`
+    decoding requests, each committing its pending token, the speculating ones their surviving drafts too."""
     gained = sum(sum(s[:n]) for s, n in zip(survivals, lengths))
-    return (R + gained) / costs(base + sum(lengths), R)
+    return (base + gained) / costs(base + sum(lengths), base)
 
 
 def decreasing(rng, n):

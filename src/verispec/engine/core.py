@@ -181,7 +181,8 @@ class Engine:
         out = self.runner.run(blocks)
         timing = StepTiming(sched_s=t_forward - t_start - sum(lv.draft_s for lv in plan.decode),
                             forward_s=time.perf_counter() - t_forward)
-        self.policy.observe_step(sum(len(b.tokens) for b in blocks), len(blocks), timing.forward_s)
+        if not plan.prefill:  # what the policies ask the costs about: decode rows and their drafts alone
+            self.policy.observe_step(sum(len(b.tokens) for b in blocks), len(blocks), timing.forward_s)
         self._commit_prefill(plan, out)
         for i, lv in enumerate(plan.decode):
             try:

@@ -138,13 +138,17 @@ class AcceptanceEstimator:
     decay: float = 0.8  # weight of the old estimate at each observed position
     probe_every: int = 8  # after this many plain steps, try a short draft again
     probe_len: int = 2
+    max_probe_every: int = 64  # a probe that finds nothing doubles the wait before the next, up to this
     draft_cost_per_token: float = 0.0  # seconds, measured online
     accept_rate: float = field(init=False)
     pos_rates: list[float] = field(default_factory=list, init=False)
     _plain_steps: int = field(default=0, init=False)
+    _probe_gap: int = field(default=0, init=False)  # plain steps before the next probe
+    _probing: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.accept_rate = self.prior
+        self._probe_gap = self.probe_every
 
     def iid_survival(self, n: int) -> list[float]:
         """[n] P(positions 1..j all accepted) under the i.i.d. estimate."""
@@ -161,8 +165,8 @@ class AcceptanceEstimator:
     def plain_step(self) -> bool:
         """Note a step without speculation; True when a probe is due."""
         self._plain_steps += 1
-        if self._plain_steps >= self.probe_every:
-            self._plain_steps = 0
+        if self._plain_steps >= self._probe_gap:
+            self._plain_steps, self._probing = 0, True
             return True
         return False
 
@@ -170,6 +174,9 @@ class AcceptanceEstimator:
         if drafted == 0:
             return
         self._plain_steps = 0
+        if self._probing:  # back off while probes find nothing: on a busy batch each one costs every request
+            self._probe_gap = min(2 * self._probe_gap, self.max_probe_every) if accepted == 0 else self.probe_every
+            self._probing = False
         # acceptance per drafted position, counting the positions after a rejection as unobserved
         observed = min(drafted, accepted + 1)
         w = self.decay ** observed

@@ -65,10 +65,11 @@ def admit_prefixes(
     extra_cost: Sequence[float] | None = None,
     stop_at_first_drop: bool = False,
 ) -> list[int]:
-    """Draft lengths l_r maximising Theta = (R + sum of admitted survivals) / step time.
+    """Draft lengths l_r maximising Theta = (B + sum of admitted survivals) / step time.
 
     survivals[r][j]: P(draft positions 1..j+1 of request r all accepted), non-increasing in j.
-    base_tokens: tokens in the step before any draft (one per decoding request, plus prefill chunks).
+    base_tokens: B, the decode rows of the step (one per decoding request, speculating or not; at least R): each
+    commits its pending token, and the step's forward runs over B sequences.
     extra_cost[r]: seconds added per admitted draft token of request r (drafting it), 0 when already drafted.
     Pairs are admitted in order of falling survival, so each request's admitted set is a prefix.
     With stop_at_first_drop (DSpark) admission ends at the first pair that lowers Theta; otherwise the best
@@ -79,8 +80,9 @@ def admit_prefixes(
     pairs = sorted((-s, r, j) for r, surv in enumerate(survivals) for j, s in enumerate(surv))
     lengths = [0] * R
     best_lengths = list(lengths)
-    gained, tokens, drafting = 0.0, base_tokens, 0.0
-    best = prev = R / costs(tokens, R) if R else 0.0
+    gained, tokens, drafting = 0.0, max(base_tokens, R), 0.0
+    B = tokens
+    best = prev = B / costs(tokens, B) if R else 0.0
     for neg_s, r, j in pairs:
         if j != lengths[r]:  # only extend a prefix (equal survivals sort by position)
             continue
@@ -88,7 +90,7 @@ def admit_prefixes(
         gained += -neg_s
         tokens += 1
         drafting += extra[r]
-        theta = (R + gained) / (costs(tokens, R) + drafting)
+        theta = (B + gained) / (costs(tokens, B) + drafting)
         if stop_at_first_drop and theta < prev:
             lengths[r] -= 1
             return lengths
