@@ -5,7 +5,6 @@ acceptance-threshold sweep (audit/sweep.py) and its report (audit/sweep_report.p
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Callable
 
 from verispec.audit.spec import EngineSpec
@@ -62,8 +61,7 @@ def base_spec(args: argparse.Namespace) -> EngineSpec:
 
 def run_sweep_cli(args: argparse.Namespace, temps: list[float], load_items: Callable[[], list]) -> int:
     from verispec.audit.sweep import build_sweep_sides, parse_values, run_sweep, sweep_rows, value_spec
-    from verispec.audit.sweep_report import build_sweep_report, write_sweep_report
-    from verispec.bench.report import markdown_table
+    from verispec.audit.sweep_report import build_sweep_report, publish_sweep_report
 
     if args.endpoint or args.reference_endpoint:
         from verispec.audit.sweep_endpoint import run_endpoint_sweep_cli
@@ -89,9 +87,4 @@ def run_sweep_cli(args: argparse.Namespace, temps: list[float], load_items: Call
                              reference=ref.describe(), n_resamples=args.bootstrap, seed=args.seed, setup=setup,
                              concurrency=f"in process, batches of up to {args.max_num_seqs} requests decoding "
                                          "together; the reference, then each value, one after another per temperature")
-    paths = write_sweep_report(rep, args.out)
-    print(markdown_table(rep.tables[0]))
-    print("\n".join(f"> {n}" for n in rep.notes))
-    print(f"report: {paths['html']}  (also {paths['md'].name}, {paths['json'].name}, {paths['csv'].name}, "
-          "sweep_tau_delta.png)", file=sys.stderr)
-    return 0
+    return publish_sweep_report(rep, args.out)

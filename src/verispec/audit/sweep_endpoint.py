@@ -148,11 +148,8 @@ ENDPOINT_METRIC = (
 
 
 def run_endpoint_sweep_cli(args: Any, temps: list[float], load_items: Any) -> int:
-    import sys
-
     from verispec.audit.sweep import SWEEP_RULES, PARAMS, run_sweep, sweep_rows
-    from verispec.audit.sweep_report import build_sweep_report, write_sweep_report
-    from verispec.bench.report import markdown_table
+    from verispec.audit.sweep_report import build_sweep_report, publish_sweep_report
 
     if args.rule not in SWEEP_RULES or args.param not in PARAMS:
         raise ValueError(f"--rule must be one of {', '.join(SWEEP_RULES)} and --param one of {', '.join(PARAMS)}")
@@ -178,9 +175,4 @@ def run_endpoint_sweep_cli(args: Any, temps: list[float], load_items: Any) -> in
                                     f"({args.bootstrap} resamples, seed {args.seed})",
                              baseline=f"{ref.describe()}: same items, temperatures, per-(item, sample) seeds and "
                                       "max_tokens (what the servers share beyond the value is the user's to ensure)")
-    paths = write_sweep_report(rep, args.out)
-    print(markdown_table(rep.tables[0]))
-    print("\n".join(f"> {n}" for n in rep.notes))
-    print(f"report: {paths['html']}  (also {paths['md'].name}, {paths['json'].name}, {paths['csv'].name}, "
-          "sweep_tau_delta.png)", file=sys.stderr)
-    return 0
+    return publish_sweep_report(rep, args.out)

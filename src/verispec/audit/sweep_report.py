@@ -125,3 +125,17 @@ def sweep_figure(rows: Sequence[dict[str, Any]], param: str) -> Any:
 
 def write_sweep_report(rep: Report, out_dir: str | Path) -> dict[str, Path]:
     return write_report(rep, out_dir, stem="sweep")
+
+
+def publish_sweep_report(rep: Report, out_dir: str | Path) -> int:
+    """Write the report; print its per-value table and notes, and where the files are (stderr). Returns 0."""
+    import sys
+
+    from verispec.bench.report import markdown_table
+
+    paths = write_sweep_report(rep, out_dir)
+    print(markdown_table(rep.tables[0]))
+    print("\n".join(f"> {n}" for n in rep.notes))
+    print(f"report: {paths['html']}  (also {paths['md'].name}, {paths['json'].name}, {paths['csv'].name}, "
+          "sweep_tau_delta.png)", file=sys.stderr)
+    return 0
