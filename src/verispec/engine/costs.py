@@ -10,7 +10,7 @@ gets speculation back.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 
@@ -67,11 +67,8 @@ class MeasuredStepCosts:
     decay: float = 0.8  # weight of the old average at each measured forward
     clamp: tuple[float, float] = (0.2, 5.0)  # one forward counts within these multiples of the current estimate
     points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> measured seconds
-    _lines: dict[int, tuple[float, float] | None] = field(default_factory=dict, init=False)  # segments -> (a, b)
-
-    @property
-    def table(self) -> CostTable:
-        return self.prior.table
+    # segments -> (intercept, slope, floor) of the fitted line, None below two measured token counts
+    _lines: dict[int, tuple[float, float, float] | None] = field(default_factory=dict, init=False)
 
     def observe(self, tokens: int, segments: int, seconds: float) -> None:
         """One measured forward of `tokens` tokens over `segments` sequences."""
@@ -85,8 +82,9 @@ class MeasuredStepCosts:
         pts[tokens] = x if old is None else self.decay * old + (1 - self.decay) * x
         self._lines.pop(segments, None)
 
-    def _line(self, segments: int) -> tuple[float, float] | None:
-        """(intercept, slope >= 0) of seconds against tokens over the measured token counts; None below two."""
+    def _line(self, segments: int) -> tuple[float, float, float] | None:
+        """(intercept, slope >= 0, floor) of seconds against tokens over the measured token counts, fitted once
+        per change (the policy queries it for every admitted draft token); None below two."""
         if segments not in self._lines:
             pts = self.points.get(segments) or {}
             line = None
@@ -95,7 +93,7 @@ class MeasuredStepCosts:
                 mt, mv = sum(pts) / n, sum(pts.values()) / n
                 var = sum((t - mt) ** 2 for t in pts)
                 b = max(0.0, sum((t - mt) * (v - mv) for t, v in pts.items()) / var)
-                line = (mv - b * mt, b)
+                line = (mv - b * mt, b, 0.1 * min(pts.values()))
             self._lines[segments] = line
         return self._lines[segments]
 
@@ -107,8 +105,8 @@ class MeasuredStepCosts:
         if line is None:  # one measured token count: the profile's shape through it
             (t0, v0), = pts.items()
             return v0 * self.prior(tokens, segments) / self.prior(t0, segments)
-        a, b = line
-        return max(a + b * tokens, 0.1 * min(pts.values()))
+        a, b, floor = line
+        return max(a + b * tokens, floor)
 
 
 def step_sizes(max_tokens: int, cap: int = 128) -> tuple[int, ...]:
