@@ -120,3 +120,20 @@ def test_static_and_unknown_names():
     assert p.verify_lengths(cands, [Draft([1, 2]), Draft([])], 2) == [2, 0]
     with pytest.raises(ValueError, match="not one of"):
         make_policy("fastest", StepCosts.flat())
+
+
+def test_margin_weighs_the_added_cost_of_drafts():
+    """One decoding request, a one-token draft with survival s, verifying it adds c of a one-token step: Theta rises
+    from 1 / 1 to (1 + s) / (1 + (1 + m) c), so the draft is admitted exactly when s > (1 + m) c."""
+    c = 0.2
+    costs = StepCosts(CostTable((1, 2), (1.0, 1.0 + c)))
+    for m in (0.0, 0.5, 1.0):
+        for s in (0.15, 0.25, 0.35, 0.45):
+            want = [1] if s > (1 + m) * c else [0]
+            assert admit_prefixes([[s]], costs, 1, stop_at_first_drop=True, margin=m) == want, (m, s)
+            assert admit_prefixes([[s]], costs, 1, margin=m) == want, (m, s)
+    # the policies are risk-averse by default: a draft that only breaks even in expectation is not verified
+    est = AcceptanceEstimator()
+    cands = [Candidate(1, est)]
+    assert DSparkPolicy(costs).verify_lengths(cands, [Draft([1], confidence=[0.25])], 1) == [0]
+    assert DSparkPolicy(costs, margin=0.0).verify_lengths(cands, [Draft([1], confidence=[0.25])], 1) == [1]

@@ -64,6 +64,7 @@ def admit_prefixes(
     base_tokens: int,
     extra_cost: Sequence[float] | None = None,
     stop_at_first_drop: bool = False,
+    margin: float = 0.0,
 ) -> list[int]:
     """Draft lengths l_r maximising Theta = (B + sum of admitted survivals) / step time.
 
@@ -71,6 +72,8 @@ def admit_prefixes(
     base_tokens: B, the decode rows of the step (one per decoding request, speculating or not; at least R): each
     commits its pending token, and the step's forward runs over B sequences.
     extra_cost[r]: seconds added per admitted draft token of request r (drafting it), 0 when already drafted.
+    margin: the verification cost the drafts add to the step is weighed (1 + margin) times over: a draft must be
+    expected to beat its measured cost by that factor (0: risk-neutral, the expected-value optimum).
     Pairs are admitted in order of falling survival, so each request's admitted set is a prefix.
     With stop_at_first_drop (DSpark) admission ends at the first pair that lowers Theta; otherwise the best
     prefix of the whole ordering is kept (SmartSpec's argmax).
@@ -82,7 +85,8 @@ def admit_prefixes(
     best_lengths = list(lengths)
     gained, tokens, drafting = 0.0, max(base_tokens, R), 0.0
     B = tokens
-    best = prev = B / costs(tokens, B) if R else 0.0
+    base = costs(tokens, B) if R else 0.0
+    best = prev = B / base if R else 0.0
     for neg_s, r, j in pairs:
         if j != lengths[r]:  # only extend a prefix (equal survivals sort by position)
             continue
@@ -90,7 +94,7 @@ def admit_prefixes(
         gained += -neg_s
         tokens += 1
         drafting += extra[r]
-        theta = (B + gained) / (costs(tokens, B) + drafting)
+        theta = (B + gained) / (base + (1 + margin) * (costs(tokens, B) - base) + drafting)
         if stop_at_first_drop and theta < prev:
             lengths[r] -= 1
             return lengths
@@ -100,9 +104,19 @@ def admit_prefixes(
     return lengths if stop_at_first_drop else best_lengths
 
 
+RISK_MARGIN = 0.5  # how much more than its measured cost a draft must be expected to return (see admit_prefixes)
+
+
 class _CostAware:
-    def __init__(self, costs: StepCosts | MeasuredStepCosts) -> None:
+    """A policy over a cost model. `margin` > 0 makes it risk-averse: the step costs are measured on a noisy machine
+    and a request's survival is estimated from a few positions, so a draft that only breaks even in expectation
+    loses to speculation off about half the time; at a saturated batch, where every draft is marginal, such drafts
+    are what made dspark slower than off. Where drafts clearly pay (an idle batch, a good drafter) the margin
+    changes little."""
+
+    def __init__(self, costs: StepCosts | MeasuredStepCosts, margin: float = RISK_MARGIN) -> None:
         self.costs = costs
+        self.margin = margin
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
         return [c.limit for c in cands]  # every candidate drafts its limit
@@ -142,7 +156,7 @@ class GoodputPolicy(_CostAware):
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
         survivals = _with_probes(cands, [c.estimator.iid_survival(c.limit) for c in cands])
         extra = [c.estimator.draft_cost_per_token for c in cands]
-        return admit_prefixes(survivals, self.costs, base_tokens, extra)
+        return admit_prefixes(survivals, self.costs, base_tokens, extra, margin=self.margin)
 
 
 class DSparkPolicy(_CostAware):
@@ -155,7 +169,7 @@ class DSparkPolicy(_CostAware):
         if all(c.confidences for c in cands):
             return [c.limit for c in cands]
         survivals = _with_probes(cands, [c.estimator.position_survival(c.limit) for c in cands])
-        admitted = admit_prefixes(survivals, self.costs, base_tokens, stop_at_first_drop=True)
+        admitted = admit_prefixes(survivals, self.costs, base_tokens, stop_at_first_drop=True, margin=self.margin)
         return [c.limit if c.confidences else n for c, n in zip(cands, admitted)]
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
@@ -170,7 +184,8 @@ class DSparkPolicy(_CostAware):
                 survivals.append(surv)
             else:
                 survivals.append(c.estimator.position_survival(g))
-        lengths = admit_prefixes(_with_probes(cands, survivals), self.costs, base_tokens, stop_at_first_drop=True)
+        lengths = admit_prefixes(_with_probes(cands, survivals), self.costs, base_tokens, stop_at_first_drop=True,
+                                 margin=self.margin)
         return [min(n, len(d.tokens)) for n, d in zip(lengths, drafts)]
 
 
