@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import chi2_pvalue
 from verispec.execution import tree_verify
-from verispec.execution.tree import TreeDraft, ancestor_mask, depths, path_to
+from verispec.models.tree import TreeDraft, ancestor_mask, depths, path_to
 from verispec.execution.tree_verify import verify_tree_greedy, verify_tree_sampled
 from verispec.execution.verify import verify_greedy
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.execution.sampling import SamplingParams, target_probs
-from verispec.execution.tree import TreeDraft, children
+from verispec.models.tree import TreeDraft, children
 from verispec.execution.verify import residual
 
 

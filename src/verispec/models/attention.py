@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from verispec.models.tree import ancestor_mask, depths
 
 BATCH_MAX_LEN = 16  # default path: segments up to this long (decode, verify) share a call with same-length ones
 # default path: padded (wasted) key x query rows a shared call may add before its segments are split by key count;
@@ -41,6 +43,7 @@ class SegmentLike(Protocol):
     slot: int
     start: int
     length: int
+    tree: tuple[int, ...] | None  # a draft tree's parent links (models/tree.py), None for a chain
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class _Entry:
     # a paged sequence whose keys are not one run of the pool: the physical blocks holding its (logical) keys
     # lo // B .. (last key) // B, gathered. (One whose keys are consecutive is slot 0 at physical positions.)
     blocks: tuple[int, ...] | None = None
+    # rows of a draft tree: per row, the keys hidden from it besides the causal mask (its non-ancestors in the tree,
+    # as offsets from the row's own position) and its RoPE position minus its cache position (-(row - depth))
+    hide: tuple[tuple[int, ...], ...] = ()
+    shift: tuple[int, ...] = ()
 
     @property
     def count(self) -> int:
@@ -142,8 +149,8 @@ def _physical(e: _Entry, table: Sequence[int], runs: Sequence[int], B: int) -> _
     j0, j1 = e.lo // B, (e.first + e.n - 1) // B
     if runs[j1] <= j0:  # blocks j0 .. j1 are one run
         delta = table[j0] * B + e.lo % B - e.lo
-        return _Entry(0, e.first + delta, e.n, e.lo + delta, e.rows)
-    return _Entry(e.slot, e.first, e.n, e.lo, e.rows, tuple(table[j0 : j1 + 1]))
+        return replace(e, slot=0, first=e.first + delta, lo=e.lo + delta)
+    return replace(e, blocks=tuple(table[j0 : j1 + 1]))
 
 
 def _by_bucket(entries: list[_Entry]) -> list[tuple[int, list[_Entry]]]:
@@ -218,7 +225,8 @@ def _segment_entries(segments: Sequence[SegmentLike], window: int | None) -> lis
     out, off = [], 0
     for s in segments:
         lo = 0 if window is None else max(0, s.start - window + 1)
-        out.append(_Entry(s.slot, s.start, s.length, lo, range(off, off + s.length)))
+        hide, shift = _tree_rows(s, window)
+        out.append(_Entry(s.slot, s.start, s.length, lo, range(off, off + s.length), hide=hide, shift=shift))
         off += s.length
     return out
 
@@ -227,11 +235,23 @@ def _query_entries(segments: Sequence[SegmentLike], window: int | None) -> list[
     """Per-query path: one entry per row, reading exactly the keys its position sees."""
     out, off = [], 0
     for s in segments:
-        for p in range(s.start, s.start + s.length):
-            lo = 0 if window is None else max(0, p - window + 1)
-            out.append(_Entry(s.slot, p, 1, lo, range(off, off + 1)))
+        hide, shift = _tree_rows(s, window)
+        for i, p in enumerate(range(s.start, s.start + s.length)):
+            lo = 0 if window is None else max(0, p + (shift[i] if shift else 0) - window + 1)
+            out.append(_Entry(s.slot, p, 1, lo, range(off, off + 1), hide=hide[i : i + 1], shift=shift[i : i + 1]))
             off += 1
     return out
+
+
+def _tree_rows(s: SegmentLike, window: int | None) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """A tree segment's per-row hidden keys (non-ancestors, as offsets from the row) and RoPE shifts; () for a
+    chain. A window must reach past the tree's depth (an ancestor is never out of a row's window)."""
+    if s.tree is None:
+        return (), ()
+    visible, depth = ancestor_mask(s.tree).tolist(), depths(s.tree)
+    assert window is None or window > max(depth), f"a window of {window} is shorter than the draft tree's depth"
+    hide = tuple(tuple(b - a for b in range(a) if not visible[a][b]) for a in range(s.length))
+    return hide, tuple(d - a for a, d in enumerate(depth))
 
 
 def _key_group(es: list[_Entry], rows: slice, length: int, window: int | None, shape: CacheShape) -> KeyGroup:
@@ -246,7 +266,7 @@ def _key_group(es: list[_Entry], rows: slice, length: int, window: int | None, s
             view = (slots[0], slots[0] + len(es), lo)
     index = None if view is not None else _gather_index(es, length, K, max_len, shape.block_size).to(device)
     bias = None
-    if n > 1 or any(e.count < length for e in es):
+    if n > 1 or any(e.count < length or e.hide for e in es):
         blocked = _blocked(es, length, window, G)  # [E, M, L], M = G n or 1
         bias = torch.zeros(blocked.shape, dtype=shape.dtype).masked_fill_(blocked, float("-inf"))
         if not shared and len(es) > 1:  # one row per (entry, KV head) of the batched scores
@@ -283,7 +303,11 @@ def _blocked(es: list[_Entry], length: int, window: int | None, G: int) -> torch
     k_pos = torch.tensor([e.lo for e in es])[:, None, None] + torch.arange(length)  # [E, 1, L]
     hidden = k_pos > q_pos  # [E, n, L]
     if window is not None:
-        hidden |= k_pos <= q_pos - window
+        shift = torch.tensor([e.shift or (0,) * n for e in es])[:, :, None]  # [E, n, 1] a tree row's RoPE position
+        hidden |= k_pos <= q_pos + shift - window
+    for i, e in enumerate(es):
+        for r, offsets in enumerate(e.hide):  # a tree row's non-ancestors
+            hidden[i, r, [e.first + r + o - e.lo for o in offsets]] = True
     if n == 1:
         return hidden
     return hidden[:, None].expand(len(es), G, n, length).reshape(len(es), G * n, length)

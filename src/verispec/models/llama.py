@@ -29,6 +29,7 @@ from torch import nn
 from verispec.config import ModelConfig
 from verispec.models.attention import AttentionPlan, CacheShape, attend_group, plan_attention
 from verispec.models.rope import apply_rope, rope_tables
+from verispec.models.tree import depths
 from verispec.state.kv_cache import KVCache
 from verispec.state.paged_kv import PagedKVCache
 
@@ -37,11 +38,19 @@ Cache = KVCache | PagedKVCache  # the slot cache (drafters, the oracle's referen
 
 @dataclass(frozen=True)
 class Segment:
-    """`length` new tokens of the sequence in cache slot `slot`, at positions start .. start+length-1."""
+    """`length` new tokens of the sequence in cache slot `slot`, at positions start .. start+length-1.
+
+    With `tree` (models/tree.py: the parent of each of the length - 1 nodes below the block's first token), the
+    block is a draft tree: its K/V still go to positions start .. start+length-1, in node order, but each row's
+    RoPE position is start + its depth and it attends to the context, its ancestors and itself only."""
 
     slot: int
     start: int
     length: int
+    tree: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        assert self.tree is None or len(self.tree) == self.length - 1, "a tree segment is its root and one row per node"
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,11 @@ class ForwardOutput:
     logits: torch.Tensor  # [M, vocab] float32, one row per requested index
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer i -> [N, d] hidden entering layer i
     last_hidden: torch.Tensor | None = None  # [N, d] after the final norm, if asked for
+
+
+def _offsets(s: Segment) -> Sequence[int]:
+    """Each row's RoPE position minus the segment's start: 0 .. length-1, or the depths of a tree."""
+    return range(s.length) if s.tree is None else depths(s.tree)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -325,10 +339,10 @@ class LlamaModel(nn.Module):
         """cos, signed sin: [N, 1, head_dim] in the model's dtype for the segments' positions (a view of the
         tables for one segment)."""
         cos, sin = self._rope_tables()
-        if len(segments) == 1:
+        if len(segments) == 1 and segments[0].tree is None:
             s = segments[0]
             return cos[s.start : s.start + s.length].unsqueeze(1), sin[s.start : s.start + s.length].unsqueeze(1)
-        positions = torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)], device=self.device)
+        positions = torch.tensor([s.start + d for s in segments for d in _offsets(s)], device=self.device)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [N, 1, head_dim]
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
