@@ -91,6 +91,17 @@ class KVCache:
         s.length += n
         s.pending = 0
 
+    def commit_rows(self, slot: int, rows: Sequence[int]) -> None:
+        """Keep rows `rows` of the open block (increasing offsets into it: a draft tree's root and accepted path),
+        moved to its first len(rows) positions, and commit them; the rest become invisible."""
+        s = self.slots[slot]
+        assert list(rows) == sorted(set(rows)) and all(0 <= r < s.pending for r in rows), f"rows {rows} of {s.pending}"
+        if list(rows) != list(range(len(rows))):
+            src = torch.tensor([s.length + r for r in rows], device=self.k[0].device)  # [n]
+            for t in self.k + self.v:  # the gather copies first: a moved row never overwrites one still to move
+                t[slot, :, s.length : s.length + len(rows)] = t[slot].index_select(1, src)
+        self.commit(slot, len(rows))
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget everything from position `length` on (committed or pending)."""
         s = self.slots[slot]

@@ -157,6 +157,19 @@ class PagedKVCache:
         self._trim(s, s.length)
         self._register(s)
 
+    def commit_rows(self, slot: int, rows: Sequence[int]) -> None:
+        """Keep rows `rows` of the open block (increasing offsets into it: a draft tree's root and accepted path),
+        moved to its first len(rows) positions, and commit them; the rest become invisible (blocks holding only
+        them go back to the pool). The open block is private (`reserve` checked), so moving within it is safe."""
+        s = self.slots[slot]
+        assert list(rows) == sorted(set(rows)) and all(0 <= r < s.pending for r in rows), f"rows {rows} of {s.pending}"
+        if list(rows) != list(range(len(rows))):
+            phys = self.positions(slot, s.length, s.pending).to(self.k[0].device)  # [pending]
+            src, dst = phys[list(rows)], phys[: len(rows)]
+            for t in self.k + self.v:  # the gather copies first: a moved row never overwrites one still to move
+                t[0].index_copy_(1, dst, t[0].index_select(1, src))
+        self.commit(slot, len(rows))
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget everything from position `length` on (committed or pending); shared blocks stay."""
         s = self.slots[slot]
