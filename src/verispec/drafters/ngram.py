@@ -12,9 +12,10 @@ updated as the context grows, so one step costs O(n_max^2 + k) amortised.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
+from verispec.models.tree import TreeDraft
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,43 @@ def ngram_propose(context: Sequence[int], k: int, n_max: int, n_min: int) -> lis
     return []
 
 
+OCCURRENCES = 32  # a tree reads at most this many earlier occurrences of the tail per n-gram length
+GRAM_WEIGHT = 4.0  # an occurrence of a tail n-gram weighs GRAM_WEIGHT ** n: longer matches count for more
+
+
+def continuation_tree(continuations: Iterable[tuple[int, Sequence[int]]], budget: int) -> TreeDraft:
+    """The `budget` heaviest prefixes of the (n, continuation) pairs as a trie. Every pair adds GRAM_WEIGHT ** n to
+    each prefix of its continuation, so a prefix weighs at least as much as any of its extensions and, ties going
+    to the shorter then the first seen, the chosen set holds every chosen node's ancestors (a tree, expanded where
+    the occurrences agree most: EAGLE-2's rule, with agreement for the draft probability). Nodes are listed by
+    depth, then first seen; siblings are distinct, so verification treats them as point masses."""
+    weight: dict[tuple[int, ...], float] = {}
+    for n, cont in continuations:
+        for j in range(1, len(cont) + 1):
+            key = tuple(cont[:j])
+            weight[key] = weight.get(key, 0.0) + GRAM_WEIGHT ** n  # dicts keep first-seen order
+    seen = {key: i for i, key in enumerate(weight)}
+    chosen = sorted(weight, key=lambda key: (-weight[key], len(key), seen[key]))[: max(budget, 0)]
+    chosen.sort(key=lambda key: (len(key), seen[key]))
+    node = {key: i for i, key in enumerate(chosen)}
+    return TreeDraft(tuple(key[-1] for key in chosen), tuple(node.get(key[:-1], -1) for key in chosen))
+
+
+def ngram_tree(context: Sequence[int], budget: int, depth: int, n_max: int, n_min: int) -> TreeDraft:
+    """Reference tree lookup: the continuations (up to `depth` tokens) of the OCCURRENCES most recent earlier
+    occurrences of the tail, for n = n_max .. n_min, weighed into a tree of at most `budget` nodes."""
+    toks = [int(t) for t in context]
+    length = len(toks)
+    conts = []
+    for n in range(n_max, n_min - 1, -1):
+        if length < n + 1 or depth <= 0:
+            continue
+        tail = toks[length - n :]
+        starts = [i for i in range(length - n - 1, -1, -1) if toks[i : i + n] == tail][:OCCURRENCES]
+        conts += [(n, toks[i + n : i + n + depth]) for i in starts]
+    return continuation_tree(conts, budget)
+
+
 class NgramDrafter:
     """Per request; deterministic (probs=None, confidence=None).
 
@@ -70,6 +108,7 @@ class NgramDrafter:
     def _reset(self) -> None:
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # every start of each n-gram, oldest first (trees)
         self._done = 0
 
     def _sync(self, context: Sequence[int]) -> None:
@@ -83,7 +122,9 @@ class NgramDrafter:
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         for end in range(self._done + 1, len(toks)):
             for size in range(lo, min(hi, end) + 1):
-                index[tuple(toks[end - size : end])] = end - size
+                gram = tuple(toks[end - size : end])
+                index[gram] = end - size
+                self._starts.setdefault(gram, []).append(end - size)
         self._done = max(self._done, len(toks) - 1)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -99,6 +140,16 @@ class NgramDrafter:
             if start is not None:
                 return Draft(tokens=toks[start + n : start + n + k])
         return EMPTY
+
+    def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
+        """`ngram_tree` from the index: the recent earlier occurrences' continuations, weighed into `budget` nodes."""
+        self._sync(context)
+        toks, length = self._tokens, len(self._tokens)
+        grams = [tuple(toks[length - n :]) for n in range(self.config.prompt_lookup_max,
+                                                          self.config.prompt_lookup_min - 1, -1) if length >= n + 1]
+        conts = [(len(g), toks[start + len(g) : start + len(g) + depth]) for g in grams if depth > 0
+                 for start in reversed(self._starts.get(g, [])[-OCCURRENCES:])]
+        return continuation_tree(conts, budget)
 
     def observe(self, accepted: int) -> None:
         """Stateless between steps: the accepted tokens arrive with the next context."""

@@ -1,0 +1,83 @@
+"""Trees against chains at the same number of verified positions: the n-gram drafter's tau, greedy, exactly.
+
+Conditions (MEASURE.md):
+  - Model: the default model (--dtype auto: the engine's measured path), CPU; prompts: the first --limit prompts
+    of each shipped workload, chat template applied; the target's plain greedy continuation of each, --max-tokens.
+  - Metric: tau = committed tokens per verification step, replayed exactly: under greedy verification a step
+    commits the longest drafted path that follows the target's own continuation, plus one token, whatever else the
+    draft holds. So every step is simulated on the recorded continuation: a chain of k tokens (`propose`, what the
+    engine verifies today) against a tree of at most k nodes and depth k (`propose_tree`: every earlier occurrence
+    of the tail merged into a trie). Both verify at most k + 1 positions per step; the mean verified positions
+    are reported beside tau.
+  - Baseline: the chain at the same k, same continuations, same run. No timing: what a tree costs on the target is
+    the forward over its nodes, which equals the chain's at the same positions (tests/test_tree_attention.py).
+
+    python benchmarks/tree_acceptance.py --limit 4 --max-tokens 128 --k 2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from verispec import LLM, SamplingParams
+from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.drafters.ngram import NgramDrafter
+from verispec.execution.tree_verify import verify_tree_greedy
+from verispec.execution.verify import verify_greedy
+from verispec.models.tree import TreeDraft, depths
+
+
+def replay(prompt: list[int], out: list[int], k: int, tree: bool) -> tuple[int, int, int]:
+    """(tokens committed, steps, positions verified) of n-gram drafting over the recorded continuation `out`,
+    through the engine's own greedy verification rules, with logits whose argmax at every query row is the
+    target's recorded next token for that row's depth (the only rows the rules read lie on the followed path)."""
+    drafter = NgramDrafter()
+    t = steps = verified = 0
+    end = out + [0] * (k + 1)  # past the continuation's end nothing matters: the replay stops there
+    while t < len(out):
+        context = prompt + out[:t]
+        d = drafter.propose_tree(context, k, k) if tree else TreeDraft.chain(drafter.propose(context, k).tokens)
+        rows = [t + r for r in depths(d.parents)]  # [N + 1] position in `out` each query row predicts
+        logits = torch.zeros(len(rows), max(end[: t + k + 1] + list(d.tokens)) + 1)
+        logits[torch.arange(len(rows)), torch.tensor([end[r] for r in rows])] = 1.0
+        verdict = verify_tree_greedy(d, logits) if tree else verify_greedy(torch.tensor(d.tokens), logits)
+        t += verdict.accepted + 1
+        steps += 1
+        verified += len(d.tokens) + 1
+    return len(out), steps, verified
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", default="2,4,8", help="draft positions per step (chain length = tree node budget)")
+    args = ap.parse_args(argv)
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
+    ks = [int(k) for k in args.k.split(",")]
+    print(f"\n## N-gram trees vs chains: {args.model}, greedy, {args.limit} prompts per workload, "
+          f"{args.max_tokens} max tokens\n")
+    print("| workload | k | chain tau | tree tau | tree / chain | verified per step (chain / tree) |")
+    print("|---|---|---|---|---|---|")
+    for w in WORKLOADS:
+        prompts = [llm.tokenizer(llm.apply_chat_template(list(p.messages)), add_special_tokens=False)["input_ids"]
+                   for p in load_workload(w)[: args.limit]]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                            SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
+        for k in ks:
+            res = {tree: [replay(ids, list(o.token_ids), k, tree) for ids, o in zip(prompts, outs)]
+                   for tree in (False, True)}
+            tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}
+            ver = {tree: statistics.fmean(r[2] / r[1] for r in rs) for tree, rs in res.items()}
+            print(f"| {w} | {k} | {tau[False]:.2f} | {tau[True]:.2f} | x{tau[True] / tau[False]:.2f} | "
+                  f"{ver[False]:.1f} / {ver[True]:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
