@@ -268,7 +268,8 @@ class LLM:
             policy = make_policy(name, MeasuredStepCosts(self.costs) if needs_costs else StepCosts.flat())
             config = EngineConfig(max_num_seqs=self.max_num_seqs,
                                   max_num_batched_tokens=self.max_num_batched_tokens or max(512, self._max_step_tokens()),
-                                  num_speculative_tokens=self.spec.num_speculative_tokens)
+                                  num_speculative_tokens=self.spec.num_speculative_tokens,
+                                  draft_tree=self.spec.draft_tree)
             check = self._state_check if self.check_state else None
             self._engine = Engine(self.model, self.cache, self.drafters, policy, self.eos_ids, config, self.rule,
                                   check, detokenize=self.decode if self.tokenizer is not None else None)

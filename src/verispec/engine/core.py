@@ -32,8 +32,10 @@ from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
 from verispec.execution.logprobs import record_logprobs
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
+from verispec.execution.tree_verify import verify_tree
 from verispec.execution.verify import EXACT, AcceptanceConfig, Verdict, verify
 from verispec.models.llama import LlamaModel
+from verispec.models.tree import TreeDraft
 from verispec.state.paged_kv import PagedKVCache
 from verispec.state.request import Request
 
@@ -53,6 +55,7 @@ class EngineConfig:
     max_num_seqs: int = 8  # requests decoding at once (= cache slots)
     max_num_batched_tokens: int = 512  # tokens in one forward: decode blocks + prefill chunks
     num_speculative_tokens: int = 4  # K, the most draft tokens per request and step
+    draft_tree: bool = False  # drafters that can propose trees of K nodes (depth <= K) do
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
@@ -218,6 +221,8 @@ class Engine:
             n = max(0, min(n, budget))
             budget -= n
             lv.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
+            if lv.tree is not None:  # nodes are listed by depth: the first n are a tree of their own
+                lv.tree = lv.tree[:n]
 
     def _propose(self, lv: LiveRequest, k: int) -> Draft:
         """Ask the request's drafter for up to k tokens, timing it; the proposal is cut to k."""
@@ -225,7 +230,11 @@ class Engine:
             return EMPTY
         t = time.perf_counter()
         try:
-            d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
+            if self.config.draft_tree and hasattr(lv.drafter, "propose_tree"):
+                tree = lv.drafter.propose_tree(lv.req.all_ids, k, k)  # type: ignore[union-attr]
+                lv.tree, d = tree.parents, Draft(list(tree.tokens))
+            else:
+                d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
         except AssertionError:  # a broken invariant: the engine's state is suspect
             raise
         except Exception as exc:  # noqa: BLE001 - only this request's drafter failed: it decodes on without one
@@ -263,7 +272,8 @@ class Engine:
             r, slot = lv.req, lv.req.slot
             assert slot is not None
             r.check(self.cache.length(slot))
-            blocks.append(Block(slot, r.num_computed, [r.all_ids[r.num_computed]] + lv.draft.tokens, logits=True))
+            blocks.append(Block(slot, r.num_computed, [r.all_ids[r.num_computed]] + lv.draft.tokens, logits=True,
+                                tree=lv.tree if lv.draft.tokens else None))
         for c in plan.prefill:
             r, slot, start = c.live.req, c.live.req.slot, c.live.req.num_computed
             assert slot is not None
@@ -286,12 +296,17 @@ class Engine:
         """Decode block `block` of the batch belongs to `lv`: verify its draft, keep the accepted positions."""
         d = lv.draft
         t_verify = time.perf_counter()
-        verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)
+        rows = None  # a tree's: the block rows of the root and the accepted path (KV kept, logits emitted from)
+        if lv.tree is not None and d.tokens:
+            tv = verify_tree(TreeDraft(tuple(d.tokens), lv.tree), out.logits(block), lv.req.params, lv.generator)
+            verdict, rows = Verdict(tv.accepted, tv.tokens), [0] + [1 + n for n in tv.path]
+        else:
+            verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)
         t_state = time.perf_counter()
-        self._commit(lv, verdict, out, block)
+        self._commit(lv, verdict, out, block, rows)
         first = not lv.req.output_ids
         kept = lv.req.append(verdict.tokens, self.eos_ids)
-        record_logprobs(lv.req, out, block, kept)  # only when the request asked for logprobs
+        record_logprobs(lv.req, out, block, kept, rows)  # only when the request asked for logprobs
         if lv.stops is not None and kept:
             kept = self._stop_strings(lv, kept)
         if not first:  # the first step finishes the prefill; it is not a decode step
@@ -313,10 +328,15 @@ class Engine:
         r.stats.stop_trimmed_tokens += len(dropped)
         return kept[: len(kept) - len(dropped)]
 
-    def _commit(self, lv: LiveRequest, verdict: Verdict, out: BatchOutput, block: int) -> None:
-        """KV of the pending token and the accepted drafts; the drafter hears the verdict, then gets features."""
+    def _commit(self, lv: LiveRequest, verdict: Verdict, out: BatchOutput, block: int,
+                rows: list[int] | None = None) -> None:
+        """KV of the pending token and the accepted drafts (a tree's accepted `rows`, moved into place); the drafter
+        hears the verdict, then gets features."""
         n = verdict.accepted + 1
-        self.cache.commit(lv.req.slot, n)  # type: ignore[arg-type]
+        if rows is None:
+            self.cache.commit(lv.req.slot, n)  # type: ignore[arg-type]
+        else:
+            self.cache.commit_rows(lv.req.slot, rows)  # type: ignore[arg-type]
         lv.req.num_computed += n
         if lv.proposed:  # even when none of the draft was verified
             lv.drafter.observe(verdict.accepted)  # type: ignore[union-attr]

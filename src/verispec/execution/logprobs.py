@@ -63,14 +63,16 @@ class Recorded(Protocol):
     output_logprobs: list[TokenLogprobs]
 
 
-def record_logprobs(req: Recorded, out: BatchOutput, block: int, kept: list[int]) -> None:
+def record_logprobs(req: Recorded, out: BatchOutput, block: int, kept: list[int], rows: list[int] | None = None
+                    ) -> None:
     """After `req.append` kept `kept` (the first len(kept) tokens emitted from decode block `block`, whose logits
-    row i the i-th was verified or sampled from): store their logprobs on the request when it asked for them
-    (params.logprobs is not None), aligned with output_ids."""
+    row i the i-th was verified or sampled from; row rows[i] for a draft tree): store their logprobs on the request
+    when it asked for them (params.logprobs is not None), aligned with output_ids."""
     k = req.params.logprobs
     if k is None or not kept:
         return
-    req.output_logprobs.extend(token_logprobs(out.logits(block)[: len(kept)], kept, k))
+    logits = out.logits(block) if rows is None else out.logits(block)[rows]
+    req.output_logprobs.extend(token_logprobs(logits[: len(kept)], kept, k))
     assert len(req.output_logprobs) == len(req.output_ids), "logprobs out of step with the output tokens"
 
 

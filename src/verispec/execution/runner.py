@@ -25,6 +25,7 @@ class Block:
     start: int
     tokens: list[int]
     logits: bool  # a decode block: logits for every row
+    tree: tuple[int, ...] | None = None  # a decode block that is a draft tree: its nodes' parent links
 
 
 @dataclass
@@ -67,7 +68,7 @@ class ModelRunner:
             logit_rows.append(slice(len(logits_rows), len(logits_rows) + n) if b.logits else None)
             if b.logits:
                 logits_rows.extend(range(len(ids), len(ids) + n))
-            segments.append(Segment(b.slot, b.start, n))
+            segments.append(Segment(b.slot, b.start, n, tree=b.tree))
             ids.extend(b.tokens)
         out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
                          logits_indices=logits_rows, capture_layers=self.feature_layers)

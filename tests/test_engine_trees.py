@@ -1,0 +1,95 @@
+"""Draft trees through the whole engine: n-gram trees verified in the batched forward, several requests at once,
+greedy output equal to HF transformers' greedy decoding, the state oracle checking the KV cache after every step;
+seeded sampling runs and emits logprobs from the rows its tokens came from."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import hf_greedy
+from verispec import LLM, SamplingParams
+from verispec.config import SpeculativeConfig
+from verispec.drafters.ngram import NgramDrafter
+from verispec.models.tree import TreeDraft
+
+# prompts that repeat with variations, so that the tail has several earlier continuations (a branching tree)
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6],
+    [20, 21, 22, 20, 21, 23, 20, 21, 22, 24, 20, 21],
+    [30, 31, 30, 32, 30, 31, 33, 30],
+    [40, 41, 42, 43, 44, 40, 41, 42, 45, 40, 41],
+]
+
+
+def forced_trees(monkeypatch, futures: dict[tuple[int, ...], list[int]]):
+    """The n-gram drafter's trees replaced by branching ones built from each prompt's known greedy future: at every
+    depth a wrong sibling first, then the right token (the path goes on below it), and at depth 3 only a wrong one.
+    So every step verifies a branching tree, accepts along second children, and rejects in the middle."""
+    seen = {"trees": 0}
+
+    def propose_tree(self, context, budget, depth):
+        prompt = next(p for p in futures if tuple(context[: len(p)]) == p)
+        future = futures[prompt][len(context) - len(prompt):]
+        tokens, parents, at = [], [], -1
+        for d in range(min(depth, len(future), 4)):
+            tokens.append((future[d] + 1 + d) % 97)
+            parents.append(at)
+            if d == 3:
+                break
+            tokens.append(future[d])
+            parents.append(at)
+            at = len(tokens) - 1
+        seen["trees"] += 1
+        return TreeDraft(tuple(tokens[:budget]), tuple(parents[:budget]))
+
+    monkeypatch.setattr(NgramDrafter, "propose_tree", propose_tree)
+    return seen
+
+
+def _llm(tiny_dir, **kw):
+    spec = {"method": "ngram", "num_speculative_tokens": 6, "draft_tree": True, "prompt_lookup_max": 2,
+            "adaptive": False}  # every tree verified whole
+    return LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=4,
+               check_state=True, **kw)
+
+
+def test_ngram_tree_greedy_output_equals_hf_and_the_state_holds(tiny_dir, hf):
+    llm = _llm(tiny_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert list(o.token_ids) == hf_greedy(hf, p, 24)
+    assert sum(o.stats["num_draft_tokens"] for o in outs) > 0
+
+
+def test_branching_trees_greedy_output_equals_hf_and_the_state_holds(tiny_dir, hf, monkeypatch):
+    futures = {tuple(p): hf_greedy(hf, p, 32) for p in PROMPTS}
+    seen = forced_trees(monkeypatch, futures)
+    llm = _llm(tiny_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert list(o.token_ids) == futures[tuple(p)][:24]
+        # each branching tree accepts 3 nodes along second children (fewer where max_tokens cuts it): tau near 4
+        assert o.stats["num_accepted_tokens"] >= 3 * (o.stats["steps"] - 2)
+    assert seen["trees"] > 0
+
+
+def test_tree_sampling_runs_with_logprobs(tiny_dir, hf, monkeypatch):
+    seen = forced_trees(monkeypatch, {tuple(p): hf_greedy(hf, p, 32) for p in PROMPTS})
+    llm = _llm(tiny_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=3, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again]  # seeded: reproducible
+    for o in outs:
+        assert len(o.token_ids) == 16 and len(o.logprobs) == 16
+        assert all(tid in lp for tid, lp in zip(o.token_ids, o.logprobs))
+    assert seen["trees"] > 0
+
+
+def test_trees_are_refused_where_they_do_not_exist_yet():
+    with pytest.raises(ValueError, match="draft_tree"):
+        SpeculativeConfig(method="suffix", draft_tree=True)
+    with pytest.raises(ValueError, match="draft_tree"):
+        SpeculativeConfig(method="ngram", draft_tree=True, acceptance_rule="threshold", threshold_single=0.5)
