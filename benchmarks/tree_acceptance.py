@@ -1,18 +1,19 @@
-"""Trees against chains at the same number of verified positions: the n-gram drafter's tau, greedy, exactly.
+"""Trees against chains at the same number of verified positions: the model-free drafters' tau, greedy, exactly.
 
 Conditions (MEASURE.md):
   - Model: the default model (--dtype auto: the engine's measured path), CPU; prompts: the first --limit prompts
     of each shipped workload, chat template applied; the target's plain greedy continuation of each, --max-tokens.
   - Metric: tau = committed tokens per verification step, replayed exactly: under greedy verification a step
     commits the longest drafted path that follows the target's own continuation, plus one token, whatever else the
-    draft holds. So every step is simulated on the recorded continuation: a chain of k tokens (`propose`, what the
-    engine verifies today) against a tree of at most k nodes and depth k (`propose_tree`: every earlier occurrence
-    of the tail merged into a trie). Both verify at most k + 1 positions per step; the mean verified positions
-    are reported beside tau.
+    draft holds. So every step is simulated on the recorded continuation: a chain of k tokens (`propose`) against
+    a tree of at most k nodes and depth k (`propose_tree`: for ngram the recent earlier occurrences of the tail
+    weighed by agreement, for suffix the most probable nodes of its tries). Both verify at most k + 1 positions
+    per step; the mean verified positions are reported beside tau. Suffix drafters of one workload share a cache
+    that holds the earlier prompts' outputs, chains and trees each their own.
   - Baseline: the chain at the same k, same continuations, same run. No timing: what a tree costs on the target is
     the forward over its nodes, which equals the chain's at the same positions (tests/test_tree_attention.py).
 
-    python benchmarks/tree_acceptance.py --limit 4 --max-tokens 128 --k 2,4,8
+    python benchmarks/tree_acceptance.py --limit 8 --max-tokens 128 --k 2,4,8 --drafters ngram,suffix
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ import torch
 from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.suffix import SuffixCache, SuffixDrafter
 from verispec.execution.tree_verify import verify_tree_greedy
 from verispec.execution.verify import verify_greedy
 from verispec.models.tree import TreeDraft, depths
 
 
-def replay(prompt: list[int], out: list[int], k: int, tree: bool) -> tuple[int, int, int]:
+def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool) -> tuple[int, int, int]:
     """(tokens committed, steps, positions verified) of n-gram drafting over the recorded continuation `out`,
     through the engine's own greedy verification rules, with logits whose argmax at every query row is the
     target's recorded next token for that row's depth (the only rows the rules read lie on the followed path)."""
-    drafter = NgramDrafter()
     t = steps = verified = 0
     end = out + [0] * (k + 1)  # past the continuation's end nothing matters: the replay stops there
     while t < len(out):
@@ -47,7 +48,15 @@ def replay(prompt: list[int], out: list[int], k: int, tree: bool) -> tuple[int, 
         t += verdict.accepted + 1
         steps += 1
         verified += len(d.tokens) + 1
+    drafter.propose(prompt + out, 0)  # sees the whole output, then leaves it in a suffix cache on release
+    drafter.release()
     return len(out), steps, verified
+
+
+def new_drafter(name: str, cache: SuffixCache):
+    """A fresh per-request drafter; suffix drafters of one workload share `cache`, in which each replayed request's
+    output is left when it ends (as the engine does on release), so later prompts draw on earlier outputs."""
+    return NgramDrafter() if name == "ngram" else SuffixDrafter(cache)
 
 
 def main(argv=None) -> int:
@@ -57,25 +66,30 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", default="2,4,8", help="draft positions per step (chain length = tree node budget)")
+    ap.add_argument("--drafters", default="ngram,suffix", help="ngram and / or suffix")
     args = ap.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
     ks = [int(k) for k in args.k.split(",")]
     print(f"\n## N-gram trees vs chains: {args.model}, greedy, {args.limit} prompts per workload, "
           f"{args.max_tokens} max tokens\n")
-    print("| workload | k | chain tau | tree tau | tree / chain | verified per step (chain / tree) |")
-    print("|---|---|---|---|---|---|")
+    print("| drafter | workload | k | chain tau | tree tau | tree / chain | verified per step (chain / tree) |")
+    print("|---|---|---|---|---|---|---|")
+    runs = {}
     for w in WORKLOADS:
         prompts = [llm.tokenizer(llm.apply_chat_template(list(p.messages)), add_special_tokens=False)["input_ids"]
                    for p in load_workload(w)[: args.limit]]
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                             SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
-        for k in ks:
-            res = {tree: [replay(ids, list(o.token_ids), k, tree) for ids, o in zip(prompts, outs)]
-                   for tree in (False, True)}
-            tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}
-            ver = {tree: statistics.fmean(r[2] / r[1] for r in rs) for tree, rs in res.items()}
-            print(f"| {w} | {k} | {tau[False]:.2f} | {tau[True]:.2f} | x{tau[True] / tau[False]:.2f} | "
-                  f"{ver[False]:.1f} / {ver[True]:.1f} |", flush=True)
+        runs[w] = [(ids, list(o.token_ids)) for ids, o in zip(prompts, outs)]
+    for name in args.drafters.split(","):
+        for w, items in runs.items():
+            for k in ks:
+                res = {tree: [replay(new_drafter(name, shared[tree]), ids, out, k, tree) for ids, out in items]
+                       for shared in [{False: SuffixCache(), True: SuffixCache()}] for tree in (False, True)}
+                tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}
+                ver = {tree: statistics.fmean(r[2] / r[1] for r in rs) for tree, rs in res.items()}
+                print(f"| {name} | {w} | {k} | {tau[False]:.2f} | {tau[True]:.2f} | x{tau[True] / tau[False]:.2f} | "
+                      f"{ver[False]:.1f} / {ver[True]:.1f} |", flush=True)
     return 0
 
 

@@ -46,15 +46,17 @@ def forced_trees(monkeypatch, futures: dict[tuple[int, ...], list[int]]):
     return seen
 
 
-def _llm(tiny_dir, **kw):
-    spec = {"method": "ngram", "num_speculative_tokens": 6, "draft_tree": True, "prompt_lookup_max": 2,
-            "adaptive": False}  # every tree verified whole
+def _llm(tiny_dir, method="ngram", **kw):
+    spec = {"method": method, "num_speculative_tokens": 6, "draft_tree": True, "adaptive": False}  # trees whole
+    if method == "ngram":
+        spec["prompt_lookup_max"] = 2
     return LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=4,
                check_state=True, **kw)
 
 
-def test_ngram_tree_greedy_output_equals_hf_and_the_state_holds(tiny_dir, hf):
-    llm = _llm(tiny_dir)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_tree_greedy_output_equals_hf_and_the_state_holds(tiny_dir, hf, method):
+    llm = _llm(tiny_dir, method)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for p, o in zip(PROMPTS, outs):
@@ -90,6 +92,6 @@ def test_tree_sampling_runs_with_logprobs(tiny_dir, hf, monkeypatch):
 
 def test_trees_are_refused_where_they_do_not_exist_yet():
     with pytest.raises(ValueError, match="draft_tree"):
-        SpeculativeConfig(method="suffix", draft_tree=True)
+        SpeculativeConfig(method="eagle3", model="x", draft_tree=True)
     with pytest.raises(ValueError, match="draft_tree"):
         SpeculativeConfig(method="ngram", draft_tree=True, acceptance_rule="threshold", threshold_single=0.5)

@@ -11,6 +11,7 @@ updated as the context grows, so one step costs O(n_max^2 + k) amortised.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -59,16 +60,18 @@ GRAM_WEIGHT = 4.0  # an occurrence of a tail n-gram weighs GRAM_WEIGHT ** n: lon
 
 
 def continuation_tree(continuations: Iterable[tuple[int, Sequence[int]]], budget: int) -> TreeDraft:
-    """The `budget` heaviest prefixes of the (n, continuation) pairs as a trie. Every pair adds GRAM_WEIGHT ** n to
-    each prefix of its continuation, so a prefix weighs at least as much as any of its extensions and, ties going
+    """The first continuation (the chain), then the `budget` heaviest other prefixes of the (n, continuation)
+    pairs, as a trie. Every pair adds GRAM_WEIGHT ** n to each prefix of its continuation, so a prefix weighs at
+    least as much as any of its extensions and, ties going
     to the shorter then the first seen, the chosen set holds every chosen node's ancestors (a tree, expanded where
     the occurrences agree most: EAGLE-2's rule, with agreement for the draft probability). Nodes are listed by
     depth, then first seen; siblings are distinct, so verification treats them as point masses."""
     weight: dict[tuple[int, ...], float] = {}
-    for n, cont in continuations:
+    for i, (n, cont) in enumerate(continuations):
         for j in range(1, len(cont) + 1):
             key = tuple(cont[:j])
-            weight[key] = weight.get(key, 0.0) + GRAM_WEIGHT ** n  # dicts keep first-seen order
+            # the first continuation is the chain drafter's proposal: kept whole, so a tree never loses to it
+            weight[key] = math.inf if i == 0 else weight.get(key, 0.0) + GRAM_WEIGHT ** n  # first-seen order
     seen = {key: i for i, key in enumerate(weight)}
     chosen = sorted(weight, key=lambda key: (-weight[key], len(key), seen[key]))[: max(budget, 0)]
     chosen.sort(key=lambda key: (len(key), seen[key]))

@@ -12,11 +12,13 @@ the shared trie keeps a string seen once as a lazy leaf (a pointer into its outp
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
 from verispec.drafters.base import EMPTY, Draft
+from verispec.models.tree import TreeDraft
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,67 @@ class _Trie:
         return toks, confs
 
 
+    def children(self, cur: _Cursor, depth: int) -> list[tuple[int, float, _Cursor]]:
+        """Every next token after the string at cur (of length depth), its probability, its cursor."""
+        node, extra = cur
+        if depth >= self.depth:
+            return []
+        if node.seq is not None:
+            j = node.pos + extra
+            return [(node.seq[j], 1.0, (node, extra + 1))] if j < len(node.seq) else []
+        if not node.children or not node.total:
+            return []
+        return [(x, c.count / node.total, (c, 0)) for x, c in node.children.items()]
+
+    def speculate_tree(self, tail: list[int], budget: int, depth: int, cfg: SuffixConfig
+                       ) -> tuple[list[int], list[int], list[float]]:
+        """Best-first from the longest match: the `budget` nodes of highest path probability (the product of the
+        empirical probabilities from the match down; at least min_token_prob), at most min(depth, max_spec_factor
+        * match length) deep, parents first: (tokens, parents, path probabilities). No re-match at the trie's depth
+        limit, unlike the chain walk."""
+        m, cur = self.match(tail)
+        if cur is None or budget <= 0:
+            return [], [], []
+        limit = min(depth, max(1, int(cfg.max_spec_factor * m)))
+        heap = [(-p, i, -1, x, c, 1) for i, (x, p, c) in enumerate(self.children(cur, m))]
+        heapq.heapify(heap)
+        toks: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        order = len(heap)
+        while heap and len(toks) < budget:
+            neg, _, parent, x, c, d = heapq.heappop(heap)
+            if -neg < cfg.min_token_prob:
+                break  # every other candidate is less likely still
+            toks.append(x)
+            parents.append(parent)
+            scores.append(-neg)
+            if d < limit:
+                for y, p, c2 in self.children(c, m + d):
+                    heapq.heappush(heap, (neg * p, order, len(toks) - 1, y, c2, d + 1))
+                    order += 1
+        return toks, parents, scores
+
+
+def _merge(chain: list[int], toks: list[int], parents: list[int], budget: int) -> TreeDraft:
+    """The chain as a path, then the nodes (tokens, parents: parents first, best first) not already on it, while
+    the budget lasts; a node's parent is always placed before it (kept or already on the path)."""
+    out_t, out_p = list(chain), list(range(-1, len(chain) - 1))
+    at: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(out_t, out_p))}
+    where: list[int] = []  # node i of the best-first tree -> its node in the merged tree
+    for t, p in zip(toks, parents):
+        parent = -1 if p < 0 else where[p]
+        node = at.get((parent, t))
+        if node is None:
+            if len(out_t) >= budget:
+                break
+            node = at[(parent, t)] = len(out_t)
+            out_t.append(t)
+            out_p.append(parent)
+        where.append(node)
+    return TreeDraft(tuple(out_t), tuple(out_p))
+
+
 class SuffixCache:
     """Shared across requests: a suffix trie over the outputs of the last max_cached_requests finished ones."""
 
@@ -263,6 +326,29 @@ class SuffixDrafter:
             return EMPTY
         self._last = best[0]
         return Draft(tokens=list(best[0]), confidence=list(best[1]))
+
+    def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
+        """A tree of up to `budget` nodes from the trie whose chain promises more: that chain (`propose`'s walk,
+        re-matching at the depth limit), then the trie's most probable other nodes below the match; empty if no
+        match. Which path the target accepts is not reported back, so a tree step leaves nothing for release() to
+        add (its tokens arrive with the next context)."""
+        if self.prompt_len is None:
+            self.prompt_len = len(context)
+        self._sync(context)
+        self._last, self._accepted = [], []
+        if budget <= 0 or not self._tokens:
+            return TreeDraft((), ())
+        tail = self._tokens[-(max(self.config.max_tree_depth, self.cache.config.max_tree_depth) - 1) :]
+        best: tuple[_Trie | None, list[int], float] = (None, [], 0.0)
+        for trie in (self._trie, self.cache.trie):
+            toks, confs = trie.speculate(tail, depth, self.config)
+            if sum(confs) > best[2]:
+                best = (trie, toks, sum(confs))
+        trie, chain, _ = best
+        if trie is None:
+            return TreeDraft((), ())
+        toks, parents, _ = trie.speculate_tree(tail, budget, depth, self.config)
+        return _merge(chain[:budget], toks, parents, budget)
 
     def observe(self, accepted: int) -> None:
         """Remember the accepted draft tokens, so that release() can include them if no propose follows."""

@@ -221,7 +221,7 @@ class Engine:
             n = max(0, min(n, budget))
             budget -= n
             lv.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
-            if lv.tree is not None:  # nodes are listed by depth: the first n are a tree of their own
+            if lv.tree is not None:  # nodes are listed parents first: the first n are a tree of their own
                 lv.tree = lv.tree[:n]
 
     def _propose(self, lv: LiveRequest, k: int) -> Draft:
