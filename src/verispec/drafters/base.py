@@ -38,6 +38,7 @@ class Draft:
     tokens: list[int]  # [g], g <= k; may be empty (no proposal this step)
     probs: torch.Tensor | None = None  # [g, V] q_i, the distribution token i was drawn from; None = deterministic
     confidence: list[float] | None = None  # [g] estimated probability that position i survives verification
+    parents: tuple[int, ...] | None = None  # [g] a draft tree's parent links (models/tree.py), None for a chain
 
     def __post_init__(self) -> None:
         g = len(self.tokens)
@@ -45,6 +46,17 @@ class Draft:
             assert self.probs.dim() == 2 and self.probs.shape[0] == g, "probs must be [g, V]"
         if self.confidence is not None:
             assert len(self.confidence) == g, "one confidence per draft token"
+        if self.parents is not None:
+            assert len(self.parents) == g, "one parent per tree node"
+
+    def head(self, n: int) -> "Draft":
+        """The first n tokens with what goes with them (a tree's nodes are listed parents first, so its first n are
+        a tree of their own)."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     None if self.confidence is None else self.confidence[:n],
+                     None if self.parents is None else self.parents[:n])
 
 
 EMPTY = Draft(tokens=[])

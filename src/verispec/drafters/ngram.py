@@ -62,10 +62,10 @@ GRAM_WEIGHT = 4.0  # an occurrence of a tail n-gram weighs GRAM_WEIGHT ** n: lon
 def continuation_tree(continuations: Iterable[tuple[int, Sequence[int]]], budget: int) -> TreeDraft:
     """The first continuation (the chain), then the `budget` heaviest other prefixes of the (n, continuation)
     pairs, as a trie. Every pair adds GRAM_WEIGHT ** n to each prefix of its continuation, so a prefix weighs at
-    least as much as any of its extensions and, ties going
-    to the shorter then the first seen, the chosen set holds every chosen node's ancestors (a tree, expanded where
-    the occurrences agree most: EAGLE-2's rule, with agreement for the draft probability). Nodes are listed by
-    depth, then first seen; siblings are distinct, so verification treats them as point masses."""
+    least as much as any of its extensions and, ties going to the shorter then the first seen, the chosen set holds
+    every chosen node's ancestors (a tree, expanded where the occurrences agree most: EAGLE-2's rule, with
+    agreement for the draft probability). Nodes are listed by depth, then first seen; siblings are distinct, so
+    verification treats them as point masses."""
     weight: dict[tuple[int, ...], float] = {}
     for i, (n, cont) in enumerate(continuations):
         for j in range(1, len(cont) + 1):
@@ -97,9 +97,10 @@ def ngram_tree(context: Sequence[int], budget: int, depth: int, n_max: int, n_mi
 class NgramDrafter:
     """Per request; deterministic (probs=None, confidence=None).
 
-    Index invariant: `_index` maps every n-gram (n_min <= n <= n_max) that ends at an exclusive position
-    e <= `_done` to its latest start, and `_done == len(_tokens) - 1` after `_sync`, so a lookup of the tail
-    never returns the tail itself and always has at least one following token.
+    Index invariant: `_starts` maps every n-gram (n_min <= n <= n_max) that ends at an exclusive position
+    e <= `_done` to its starts, oldest first (the chain reads the latest, a tree the recent ones), and
+    `_done == len(_tokens) - 1` after `_sync`, so a lookup of the tail never returns the tail itself and always
+    has at least one following token.
     """
 
     name = "ngram"
@@ -110,8 +111,7 @@ class NgramDrafter:
 
     def _reset(self) -> None:
         self._tokens: list[int] = []
-        self._index: dict[tuple[int, ...], int] = {}
-        self._starts: dict[tuple[int, ...], list[int]] = {}  # every start of each n-gram, oldest first (trees)
+        self._starts: dict[tuple[int, ...], list[int]] = {}
         self._done = 0
 
     def _sync(self, context: Sequence[int]) -> None:
@@ -121,13 +121,11 @@ class NgramDrafter:
             self._reset()  # not an extension of what we saw (should not happen within one request): start over
             n = 0
         self._tokens.extend(int(t) for t in context[n:])
-        toks, index = self._tokens, self._index
+        toks, starts = self._tokens, self._starts
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         for end in range(self._done + 1, len(toks)):
             for size in range(lo, min(hi, end) + 1):
-                gram = tuple(toks[end - size : end])
-                index[gram] = end - size
-                self._starts.setdefault(gram, []).append(end - size)
+                starts.setdefault(tuple(toks[end - size : end]), []).append(end - size)
         self._done = max(self._done, len(toks) - 1)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -135,22 +133,25 @@ class NgramDrafter:
         self._sync(context)
         if k <= 0:
             return EMPTY
-        toks, length = self._tokens, len(self._tokens)
-        for n in range(self.config.prompt_lookup_max, self.config.prompt_lookup_min - 1, -1):
-            if length < n + 1:
-                continue
-            start = self._index.get(tuple(toks[length - n :]))
-            if start is not None:
-                return Draft(tokens=toks[start + n : start + n + k])
+        for gram in self._tail_grams():
+            starts = self._starts.get(gram)
+            if starts:
+                start = starts[-1] + len(gram)
+                return Draft(tokens=self._tokens[start : start + k])
         return EMPTY
+
+    def _tail_grams(self) -> list[tuple[int, ...]]:
+        """The context's tail n-grams, longest first (n = prompt_lookup_max .. prompt_lookup_min, where the
+        context is longer than n)."""
+        toks, length = self._tokens, len(self._tokens)
+        return [tuple(toks[length - n :]) for n in range(self.config.prompt_lookup_max,
+                                                          self.config.prompt_lookup_min - 1, -1) if length >= n + 1]
 
     def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
         """`ngram_tree` from the index: the recent earlier occurrences' continuations, weighed into `budget` nodes."""
         self._sync(context)
-        toks, length = self._tokens, len(self._tokens)
-        grams = [tuple(toks[length - n :]) for n in range(self.config.prompt_lookup_max,
-                                                          self.config.prompt_lookup_min - 1, -1) if length >= n + 1]
-        conts = [(len(g), toks[start + len(g) : start + len(g) + depth]) for g in grams if depth > 0
+        toks = self._tokens
+        conts = [(len(g), toks[start + len(g) : start + len(g) + depth]) for g in self._tail_grams() if depth > 0
                  for start in reversed(self._starts.get(g, [])[-OCCURRENCES:])]
         return continuation_tree(conts, budget)
 

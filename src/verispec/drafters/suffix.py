@@ -200,7 +200,6 @@ class _Trie:
             depth += 1
         return toks, confs
 
-
     def children(self, cur: _Cursor, depth: int) -> list[tuple[int, float, _Cursor]]:
         """Every next token after the string at cur (of length depth), its probability, its cursor."""
         node, extra = cur
@@ -308,43 +307,37 @@ class SuffixDrafter:
             self._tokens.append(int(t))
             self._trie.extend(self._tokens[-1])
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        """Up to k tokens from whichever trie (this request's, the shared one) promises more; EMPTY if no match."""
+    def _best_chain(self, context: Sequence[int], k: int) -> tuple[_Trie | None, list[int], list[float], list[int]]:
+        """Sync with `context`, then the chain of up to k tokens from whichever trie (this request's, the shared
+        one) promises more (the larger sum of confidences): (that trie or None, tokens, confidences, the tail)."""
         if self.prompt_len is None:
             self.prompt_len = len(context)
         self._sync(context)
         self._last, self._accepted = [], []
-        if k <= 0 or not self._tokens:
-            return EMPTY
         tail = self._tokens[-(max(self.config.max_tree_depth, self.cache.config.max_tree_depth) - 1) :]
-        best: tuple[list[int], list[float]] = ([], [])
+        best: tuple[_Trie | None, list[int], list[float], list[int]] = (None, [], [], tail)
+        if k <= 0 or not self._tokens:
+            return best
         for trie in (self._trie, self.cache.trie):
             toks, confs = trie.speculate(tail, k, self.config)
-            if sum(confs) > sum(best[1]):
-                best = (toks, confs)
-        if not best[0]:
+            if sum(confs) > sum(best[2]):
+                best = (trie, toks, confs, tail)
+        return best
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to k tokens from whichever trie (this request's, the shared one) promises more; EMPTY if no match."""
+        _, toks, confs, _ = self._best_chain(context, k)
+        if not toks:
             return EMPTY
-        self._last = best[0]
-        return Draft(tokens=list(best[0]), confidence=list(best[1]))
+        self._last = toks
+        return Draft(tokens=list(toks), confidence=list(confs))
 
     def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
         """A tree of up to `budget` nodes from the trie whose chain promises more: that chain (`propose`'s walk,
         re-matching at the depth limit), then the trie's most probable other nodes below the match; empty if no
         match. Which path the target accepts is not reported back, so a tree step leaves nothing for release() to
         add (its tokens arrive with the next context)."""
-        if self.prompt_len is None:
-            self.prompt_len = len(context)
-        self._sync(context)
-        self._last, self._accepted = [], []
-        if budget <= 0 or not self._tokens:
-            return TreeDraft((), ())
-        tail = self._tokens[-(max(self.config.max_tree_depth, self.cache.config.max_tree_depth) - 1) :]
-        best: tuple[_Trie | None, list[int], float] = (None, [], 0.0)
-        for trie in (self._trie, self.cache.trie):
-            toks, confs = trie.speculate(tail, depth, self.config)
-            if sum(confs) > best[2]:
-                best = (trie, toks, sum(confs))
-        trie, chain, _ = best
+        trie, chain, _, tail = self._best_chain(context, depth if budget > 0 else 0)
         if trie is None:
             return TreeDraft((), ())
         toks, parents, _ = trie.speculate_tree(tail, budget, depth, self.config)

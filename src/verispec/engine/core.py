@@ -220,9 +220,7 @@ class Engine:
         for lv, d, n in zip(spec, proposals, keep):
             n = max(0, min(n, budget))
             budget -= n
-            lv.draft = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
-            if lv.tree is not None:  # nodes are listed parents first: the first n are a tree of their own
-                lv.tree = lv.tree[:n]
+            lv.draft = d.head(n)
 
     def _propose(self, lv: LiveRequest, k: int) -> Draft:
         """Ask the request's drafter for up to k tokens, timing it; the proposal is cut to k."""
@@ -232,7 +230,7 @@ class Engine:
         try:
             if self.config.draft_tree and hasattr(lv.drafter, "propose_tree"):
                 tree = lv.drafter.propose_tree(lv.req.all_ids, k, k)  # type: ignore[union-attr]
-                lv.tree, d = tree.parents, Draft(list(tree.tokens))
+                d = Draft(list(tree.tokens), parents=tree.parents)
             else:
                 d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
         except AssertionError:  # a broken invariant: the engine's state is suspect
@@ -244,8 +242,7 @@ class Engine:
         lv.proposed = bool(d.tokens)
         if d.tokens:
             lv.confidences = d.confidence is not None
-        return Draft(d.tokens[:k], None if d.probs is None else d.probs[:k],
-                     None if d.confidence is None else d.confidence[:k])
+        return d.head(k)
 
     def _drop_drafter(self, lv: LiveRequest, exc: Exception) -> None:
         """A drafter raised while proposing: the request goes on as plain decoding (the output is the target's
@@ -273,7 +270,7 @@ class Engine:
             assert slot is not None
             r.check(self.cache.length(slot))
             blocks.append(Block(slot, r.num_computed, [r.all_ids[r.num_computed]] + lv.draft.tokens, logits=True,
-                                tree=lv.tree if lv.draft.tokens else None))
+                                tree=lv.draft.parents if lv.draft.tokens else None))
         for c in plan.prefill:
             r, slot, start = c.live.req, c.live.req.slot, c.live.req.num_computed
             assert slot is not None
@@ -297,8 +294,8 @@ class Engine:
         d = lv.draft
         t_verify = time.perf_counter()
         rows = None  # a tree's: the block rows of the root and the accepted path (KV kept, logits emitted from)
-        if lv.tree is not None and d.tokens:
-            tv = verify_tree(TreeDraft(tuple(d.tokens), lv.tree), out.logits(block), lv.req.params, lv.generator)
+        if d.parents is not None and d.tokens:
+            tv = verify_tree(TreeDraft(tuple(d.tokens), d.parents), out.logits(block), lv.req.params, lv.generator)
             verdict, rows = Verdict(tv.accepted, tv.tokens), [0] + [1 + n for n in tv.path]
         else:
             verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)

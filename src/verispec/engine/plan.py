@@ -38,7 +38,6 @@ class LiveRequest:
     aborted: bool = False
     # this step's speculation, reset by `clear_draft` at the start of every step
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward
-    tree: tuple[int, ...] | None = None  # a tree draft's parent links (models/tree.py), None for a chain
     draft_s: float = 0.0  # seconds its drafter spent proposing
     proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
     stops: "StopMatcher | None" = None  # the request's stop strings, checked on its text after every commit
@@ -54,7 +53,7 @@ class LiveRequest:
         return self.drafter is not None and self.prefilled and bool(self.req.output_ids)
 
     def clear_draft(self) -> None:
-        self.draft, self.tree, self.draft_s, self.proposed = EMPTY, None, 0.0, False
+        self.draft, self.draft_s, self.proposed = EMPTY, 0.0, False
 
 
 @dataclass(frozen=True)

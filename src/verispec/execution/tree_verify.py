@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from verispec.execution.sampling import SamplingParams, target_probs
-from verispec.models.tree import TreeDraft, children
 from verispec.execution.verify import residual
+from verispec.models.tree import TreeDraft, children
 
 
 @dataclass(frozen=True)

@@ -303,8 +303,9 @@ def _blocked(es: list[_Entry], length: int, window: int | None, G: int) -> torch
     k_pos = torch.tensor([e.lo for e in es])[:, None, None] + torch.arange(length)  # [E, 1, L]
     hidden = k_pos > q_pos  # [E, n, L]
     if window is not None:
-        shift = torch.tensor([e.shift or (0,) * n for e in es])[:, :, None]  # [E, n, 1] a tree row's RoPE position
-        hidden |= k_pos <= q_pos + shift - window
+        if any(e.shift for e in es):  # a tree row's window ends at its RoPE position, not its cache position
+            q_pos = q_pos + torch.tensor([e.shift or (0,) * n for e in es])[:, :, None]  # [E, n, 1]
+        hidden |= k_pos <= q_pos - window
     for i, e in enumerate(es):
         for r, offsets in enumerate(e.hide):  # a tree row's non-ancestors
             hidden[i, r, [e.first + r + o - e.lo for o in offsets]] = True

@@ -17,6 +17,13 @@ from typing import Sequence
 import torch
 
 
+def rows_move(rows: Sequence[int], pending: int) -> bool:
+    """Check `rows` (for `commit_rows`: increasing offsets into an open block of `pending` positions) and say
+    whether keeping them moves any, i.e. they are not the block's first len(rows)."""
+    assert list(rows) == sorted(set(rows)) and all(0 <= r < pending for r in rows), f"rows {rows} of {pending}"
+    return list(rows) != list(range(len(rows)))
+
+
 class CacheFullError(RuntimeError):
     """A sequence would grow past the cache's max_len."""
 
@@ -95,8 +102,7 @@ class KVCache:
         """Keep rows `rows` of the open block (increasing offsets into it: a draft tree's root and accepted path),
         moved to its first len(rows) positions, and commit them; the rest become invisible."""
         s = self.slots[slot]
-        assert list(rows) == sorted(set(rows)) and all(0 <= r < s.pending for r in rows), f"rows {rows} of {s.pending}"
-        if list(rows) != list(range(len(rows))):
+        if rows_move(rows, s.pending):
             src = torch.tensor([s.length + r for r in rows], device=self.k[0].device)  # [n]
             for t in self.k + self.v:  # the gather copies first: a moved row never overwrites one still to move
                 t[slot, :, s.length : s.length + len(rows)] = t[slot].index_select(1, src)

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from verispec.state.block_pool import ROOT, BlockPool, BlocksExhausted, block_hash
-from verispec.state.kv_cache import CacheFullError
+from verispec.state.kv_cache import CacheFullError, rows_move
 
 
 class OutOfBlocks(CacheFullError):
@@ -162,8 +162,7 @@ class PagedKVCache:
         moved to its first len(rows) positions, and commit them; the rest become invisible (blocks holding only
         them go back to the pool). The open block is private (`reserve` checked), so moving within it is safe."""
         s = self.slots[slot]
-        assert list(rows) == sorted(set(rows)) and all(0 <= r < s.pending for r in rows), f"rows {rows} of {s.pending}"
-        if list(rows) != list(range(len(rows))):
+        if rows_move(rows, s.pending):
             phys = self.positions(slot, s.length, s.pending).to(self.k[0].device)  # [pending]
             src, dst = phys[list(rows)], phys[: len(rows)]
             for t in self.k + self.v:  # the gather copies first: a moved row never overwrites one still to move
