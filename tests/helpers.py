@@ -25,6 +25,29 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def self_distilled_data(hf, model, target_dir, path: Path, n: int, shard_size: int, seed: int = 5,
+                        response: int = 28) -> Path:
+    """`n` training sequences (a random prompt of 3-6 tokens + HF's greedy response) with every layer's hidden
+    states, written as `verispec train data` shards of `shard_size` sequences of the target at `target_dir`."""
+    from verispec.drafters.features import target_features
+    from verispec.train.shards import shard_name, write_meta, write_shard
+
+    L, V = model.cfg.num_layers, model.cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(n):
+        prompt = torch.randint(1, V, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        ids = prompt + hf_greedy(hf, prompt, response)
+        _, out = target_features(model, ids, range(L + 1))
+        seqs.append((ids, len(prompt), {i: out.hidden[i] for i in range(L + 1)}, out.last_hidden))
+    shards = list(range((n + shard_size - 1) // shard_size))
+    for i in shards:
+        write_shard(path / shard_name(i), seqs[i * shard_size : (i + 1) * shard_size])
+    write_meta(path, {"model": str(target_dir), "num_layers": L, "hidden_size": model.cfg.hidden_size,
+                      "layers": list(range(L + 1)), "shards": shards, "num_sequences": n})
+    return path
+
+
 # ---- statistics -------------------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, self_distilled_data
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment
@@ -17,7 +17,7 @@ from verispec.models.loader import load_model
 from verispec.execution.sampling import SamplingParams
 from verispec.train import dflash as tr
 from verispec.train.calibrate import ece, fit_position_temperatures, per_position_ece
-from verispec.train.shards import load_all, shard_name, write_meta, write_shard
+from verispec.train.shards import load_all
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
@@ -43,20 +43,7 @@ def tiny(tmp_path_factory):
 def data_dir(tiny, tmp_path_factory):
     """24 self-distilled sequences (random prompt + the target's greedy response) with every layer's states."""
     path, hf, model = tiny
-    L = model.cfg.num_layers
-    g = torch.Generator().manual_seed(5)
-    seqs = []
-    for _ in range(24):
-        prompt = torch.randint(1, 64, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
-        ids = prompt + hf_greedy(hf, prompt, 28)
-        _, out = target_features(model, ids, range(L + 1))
-        seqs.append((ids, len(prompt), {i: out.hidden[i] for i in range(L + 1)}, out.last_hidden))
-    d = tmp_path_factory.mktemp("data")
-    write_shard(d / shard_name(0), seqs[:12])
-    write_shard(d / shard_name(1), seqs[12:])
-    write_meta(d, {"model": path, "num_layers": L, "hidden_size": model.cfg.hidden_size,
-                   "layers": list(range(L + 1)), "shards": [0, 1]})
-    return d
+    return self_distilled_data(hf, model, path, tmp_path_factory.mktemp("data"), 24, 12)
 
 
 def new_model(target, dspark=False, block_size=8, seed=0, dtype=torch.float32) -> DFlashModel:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def add_train_parser(sub) -> None:
@@ -17,6 +18,8 @@ def add_train_parser(sub) -> None:
 
     e = tsub.add_parser("eagle3", help="train an EAGLE-3 head (TTT unroll, reduced draft vocabulary)")
     _target_args(e)
+    e.add_argument("--device", default=None, help="default: cuda if available, else cpu (under torchrun: each "
+                   "rank's own GPU)")
     eagle3.add_args(e)
     e.add_argument("--quick", action="store_true", help="a tiny, short run that proves the pipeline (CI)")
     from verispec.train import dflash
@@ -50,7 +53,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     if c == "eagle3":
-        from verispec.models.loader import load_model
         from verispec.train import eagle3
 
         if args.quick:  # tiny and short: proves data -> training -> checkpoint end to end
@@ -60,15 +62,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             args.ttt_steps = min(args.ttt_steps, 3)
             args.max_len = min(args.max_len, 256)
             args.batch = 1
-        from verispec.train.shards import read_meta
-
-        target, _ = load_model(args.model or read_meta(args.data)["model"], dtype=args.dtype, device="cpu")
-        info = eagle3.run(args, target)
-        print(json.dumps({k: info[k] for k in ("updates", "wall_s", "heldout_before", "heldout_after")}, indent=1))
+        info = eagle3.run(args)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank reports
+            print(json.dumps({k: info[k] for k in ("updates", "wall_s", "heldout_before", "heldout_after")}, indent=1))
         return 0
     from verispec.train import dflash
 
     info = dflash.run(args, c)
-    if isinstance(info, dict):
+    if isinstance(info, dict) and os.environ.get("RANK", "0") == "0":
         print(json.dumps({k: v for k, v in info.items() if k != "curve"}, indent=1, default=str)[:4000])
     return 0

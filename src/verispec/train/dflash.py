@@ -15,9 +15,6 @@ DSpark is then calibrated on the held-out anchors (train/calibrate.py); the temp
 from __future__ import annotations
 
 import json
-import math
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +25,11 @@ import torch.nn.functional as F
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts
 from verispec.drafters.dspark_head import bce_confidence, soft_survival_label
 from verispec.train.calibrate import fit_position_temperatures, per_position_ece
-from verispec.train.shards import TrainSequence, iter_sequences, read_meta, target_logits
+from verispec.train.distributed import Dist
+from verispec.train.loop import LoopConfig, train_loop
+from verispec.train.loop import add_args as loop_args
+from verispec.train.share import rank_data
+from verispec.train.shards import TrainSequence, read_meta, target_logits
 
 
 def gamma_for(block_size: int) -> float:
@@ -44,17 +45,21 @@ class TrainConfig:
     warmup: int = 20  # steps
     grad_clip: float = 1.0
     anchors_per_seq: int = 32
-    seqs_per_step: int = 4
+    seqs_per_step: int = 4  # per rank and micro-batch
+    accum: int = 1  # micro-batches per rank per step
     eval_every: int = 50
+    save_every: int = 100  # steps between checkpoints (when training writes to a directory)
     heldout_frac: float = 0.1
     seed: int = 0
     amp: bool = False  # bf16 autocast on CUDA
 
+    def loop(self) -> LoopConfig:
+        return LoopConfig(steps=self.steps, max_minutes=self.max_minutes, lr=self.lr, warmup=self.warmup,
+                          weight_decay=self.weight_decay, grad_clip=self.grad_clip, accum=self.accum,
+                          eval_every=self.eval_every, save_every=self.save_every, seed=self.seed, amp=self.amp)
+
     def __post_init__(self) -> None:
-        if self.steps is None and self.max_minutes is None:
-            raise ValueError("give a number of steps and/or a time budget (max_minutes)")
-        if (self.steps is not None and self.steps < 1) or (self.max_minutes is not None and self.max_minutes <= 0):
-            raise ValueError("steps and max_minutes must be positive")
+        self.loop()  # validates the budget
 
 
 @dataclass
@@ -70,12 +75,6 @@ class Batch:
     prev: torch.Tensor  # [A, B-1] x_{a+k-1}, the Markov head's teacher-forced input
     valid: torch.Tensor  # [A, B-1] a + k < T
     target_rows: torch.Tensor  # [A, B-1] packed row a+k-1 whose target logits predict x_{a+k}
-
-
-def compact(seq: TrainSequence, layers: Sequence[int]) -> TrainSequence:
-    """Keep only the drafter's layers, in bf16: a quarter of the float32 memory of all layers."""
-    return TrainSequence(seq.ids, seq.prompt_len, {i: seq.hidden[i].bfloat16() for i in set(layers)},
-                         seq.last_hidden.bfloat16())
 
 
 def anchor_range(seq: TrainSequence) -> range:
@@ -151,11 +150,6 @@ def compute_loss(model: DFlashModel, b: Batch) -> tuple[torch.Tensor, dict[str, 
     return loss, stats
 
 
-def lr_factor(step: int, progress: float, warmup: int) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to 0 over progress in [0, 1]."""
-    return min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def split(seqs: list[TrainSequence], frac: float, seed: int) -> tuple[list[TrainSequence], list[TrainSequence]]:
     seqs = [s for s in seqs if len(anchor_range(s)) > 0]
     if len(seqs) < 2:
@@ -175,65 +169,50 @@ def fixed_batches(model: DFlashModel, seqs: list[TrainSequence], tc: TrainConfig
     return out
 
 
-def evaluate(model: DFlashModel, batches: list[Batch], amp) -> dict[str, float]:
-    was = model.training
-    model.eval()
-    tot: dict[str, float] = {}
-    with torch.no_grad(), amp():
-        for b in batches:
-            for key, v in compute_loss(model, b)[1].items():
-                tot[key] = tot.get(key, 0.0) + v / len(batches)
-    model.train(was)
-    return tot
+STATS = {False: ("acc", "loss", "tau"), True: ("acc", "bce", "ce", "l1", "loss", "tau")}
+
+
+class BlockTask:
+    """The loop's view of DFlash / DSpark training: micro-batches of random anchors from this rank's sequences,
+    held-out metrics averaged over fixed held-out batches (summed over ranks)."""
+
+    def __init__(self, model: DFlashModel, train: list[TrainSequence], held: list[TrainSequence],
+                 tc: TrainConfig) -> None:
+        if not train:
+            raise ValueError("no training sequences on this rank")
+        self.model, self.tc, self.train = model, tc, train
+        self.name = "dspark" if model.cfg.dspark else "dflash"
+        self.device = model.fc.weight.device
+        self.held_batches = fixed_batches(model, held, tc, self.device)
+
+    def sample(self, gen: torch.Generator) -> Batch:
+        idx = torch.randint(len(self.train), (self.tc.seqs_per_step,), generator=gen).tolist()
+        part = [self.train[i] for i in idx]
+        anchors = [pick_anchors(s, self.tc.anchors_per_seq, gen) for s in part]
+        return make_batch(part, anchors, self.model.cfg.feature_layers, self.model.cfg.block_size, self.device)
+
+    def loss(self, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, stats = compute_loss(self.model, b)
+        return loss, {**stats, "tokens": float(b.valid.sum())}
+
+    def eval_sums(self) -> dict[str, float]:
+        sums = dict.fromkeys(STATS[self.model.cfg.dspark], 0.0)
+        for b in self.held_batches:
+            for k, v in compute_loss(self.model, b)[1].items():
+                sums[k] += v
+        return {**sums, "batches": float(len(self.held_batches))}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(1.0, sums["batches"])
+        return {k: v / n for k, v in sums.items() if k != "batches"}
 
 
 def train_model(model: DFlashModel, seqs: list[TrainSequence], tc: TrainConfig, progress: bool = True) -> dict:
-    """Train in place; returns the log (loss curve, held-out evaluations, steps, wall time)."""
-    from tqdm.auto import tqdm
-
-    device = model.fc.weight.device
+    """Train in place in this process on sequences already in memory; returns the loop's log."""
     train, held = split(seqs, tc.heldout_frac, tc.seed)
-    held_batches = fixed_batches(model, held, tc, device)
-    use_amp = tc.amp and device.type == "cuda"
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_amp else nullcontext
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
-                            weight_decay=tc.weight_decay, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(tc.seed)
-    budget = tc.max_minutes * 60 if tc.max_minutes is not None else None
-    log: dict = {"train_sequences": len(train), "heldout_sequences": len(held), "loss": [],
-                 "heldout": [{"step": 0, **evaluate(model, held_batches, amp)}]}
-    t0, step = time.monotonic(), 0
-    bar = tqdm(total=tc.steps, disable=not progress, desc=f"train {'dspark' if model.cfg.dspark else 'dflash'}")
-    model.train()
-    while True:
-        elapsed = time.monotonic() - t0
-        prog = max(step / tc.steps if tc.steps else 0.0, elapsed / budget if budget else 0.0)
-        if prog >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = tc.lr * lr_factor(step, prog, tc.warmup)
-        idx = torch.randint(len(train), (tc.seqs_per_step,), generator=gen).tolist()
-        part = [train[i] for i in idx]
-        b = make_batch(part, [pick_anchors(s, tc.anchors_per_seq, gen) for s in part], model.cfg.feature_layers,
-                       model.cfg.block_size, device)
-        with amp():
-            loss, stats = compute_loss(model, b)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        step += 1
-        log["loss"].append(round(stats["loss"], 5))
-        bar.update(1)
-        bar.set_postfix(loss=f"{stats['loss']:.3f}", tau=f"{stats['tau']:.2f}")
-        if step % tc.eval_every == 0:
-            log["heldout"].append({"step": step, **evaluate(model, held_batches, amp)})
-    bar.close()
-    if log["heldout"][-1]["step"] != step:
-        log["heldout"].append({"step": step, **evaluate(model, held_batches, amp)})
-    model.eval()
-    log.update(steps=step, wall_seconds=round(time.monotonic() - t0, 2))
-    return log
+    log = train_loop(BlockTask(model, train, held, tc), tc.loop(), Dist.single(model.fc.weight.device),
+                     progress=progress)
+    return {"train_sequences": len(train), "heldout_sequences": len(held), **log}
 
 
 @torch.no_grad()
@@ -255,10 +234,12 @@ def calibration_data(model: DFlashModel, batches: list[Batch]) -> tuple[torch.Te
     return torch.cat(L).cpu(), torch.cat(S).cpu(), torch.cat(V).cpu()
 
 
-def calibrate(model: DFlashModel, batches: list[Batch]) -> dict:
+def calibrate(model: DFlashModel, batches: list[Batch], dist: Dist | None = None) -> dict:
     """Fit T_1..T_{B-1} on half of the held-out anchors (even rows), store them in the model's config, and score
-    ECE per position before / after on the other half (odd rows), which the fit never saw."""
-    logits, survival, valid = calibration_data(model, batches)
+    ECE per position before / after on the other half (odd rows), which the fit never saw. Under torchrun every
+    rank contributes its held-out share and every rank fits the same temperatures."""
+    parts = (dist or Dist.single("cpu")).gather(calibration_data(model, batches))
+    logits, survival, valid = (torch.cat([p[i] for p in parts]) for i in range(3))
     fit, score = slice(0, None, 2), slice(1, None, 2)
     ones = torch.ones(logits.shape[1])
     before = per_position_ece(logits[score], survival[score], valid[score], ones)
@@ -285,23 +266,27 @@ def add_args(parser, method: str) -> None:
                         "of --steps / --max-minutes comes first")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--anchors", type=int, default=32, help="random anchors per sequence per step")
-    parser.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
+    parser.add_argument("--batch-seqs", type=int, default=4, help="sequences per micro-batch (per rank)")
     parser.add_argument("--quick", action="store_true", help="tiny run for CI: 1 layer, 30 steps")
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per rank and step (gradient "
+                        "accumulation)")
     parser.add_argument("--seed", type=int, default=0)
+    loop_args(parser)
     if method == "dspark":
         parser.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head W2 W1")
 
 
 def run(args, method: str) -> dict:
-    """`verispec train dflash|dspark`: load data and target, train, calibrate (DSpark), write the checkpoint."""
+    """`verispec train dflash|dspark`: load this rank's data and the target, train (resuming from --out's newest
+    checkpoint), calibrate (DSpark), and write the drafter from rank 0."""
     from verispec.models.loader import load_model, parse_dtype
 
     if method not in ("dflash", "dspark"):
         raise ValueError(f"unknown method {method!r}; expected dflash or dspark")
-    torch.manual_seed(args.seed)
+    dist = Dist.from_env(args.device)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     meta = read_meta(args.data)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target, _ = load_model(args.model or meta["model"], dtype=args.dtype, device=device)
+    target, _ = load_model(args.model or meta["model"], dtype=args.dtype, device=dist.device)
     t = target.cfg
     if (meta.get("hidden_size"), meta.get("num_layers")) != (t.hidden_size, t.num_layers):
         raise ValueError(f"{args.data} was captured from a target with hidden size {meta.get('hidden_size')} and "
@@ -313,19 +298,27 @@ def run(args, method: str) -> dict:
     if missing:
         raise ValueError(f"{args.data} has no hidden states for layers {missing} (needed: {list(cfg.feature_layers)}); "
                          f"regenerate it with `verispec train data --layers` including them")
-    model = DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32)).to(device)
+    model = DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32)).to(dist.device)
     del target
     steps = args.steps or (30 if args.quick else (None if args.max_minutes else 2000))
     tc = TrainConfig(steps=steps, max_minutes=args.max_minutes, lr=args.lr, anchors_per_seq=args.anchors,
-                     seqs_per_step=args.batch_seqs, seed=args.seed, eval_every=10 if args.quick else 50,
+                     seqs_per_step=args.batch_seqs, accum=args.accum, seed=args.seed,
+                     eval_every=10 if args.quick else 50, save_every=args.save_every,
                      amp=parse_dtype(args.dtype) == torch.bfloat16)
-    seqs = [compact(s, cfg.feature_layers) for s in iter_sequences(args.data)]
-    log = train_model(model, seqs, tc)
+    data = rank_data(args.data, dist, cfg.feature_layers, tc.heldout_frac, tc.seed,
+                     usable=lambda r: r.length - 1 > max(r.prompt_len, 1))
+    task = BlockTask(model, data.train, data.held, tc)
+    fingerprint = {"method": method, "data": str(Path(args.data).resolve()), "sequences": meta.get("num_sequences"),
+                   "drafter": repr(cfg)}
+    log = train_loop(task, tc.loop(), dist, args.out, fingerprint, resume=not args.no_resume)
+    log.update(train_sequences=data.train_total, heldout_sequences=data.held_total)
     if cfg.dspark:
-        _, held = split(seqs, tc.heldout_frac, tc.seed)
-        log["calibration"] = calibrate(model, fixed_batches(model, held, tc, device))
-    model.save_pretrained(args.out)
-    log.update(method=method, data=str(args.data), target=args.model or meta["model"], block_size=cfg.block_size,
-               num_layers=cfg.num_layers, target_layer_ids=list(cfg.target_layer_ids))
-    Path(args.out, "train_log.json").write_text(json.dumps(log, indent=1))
+        log["calibration"] = calibrate(model, task.held_batches, dist)
+    if dist.is_writer:
+        model.save_pretrained(args.out)
+        log.update(method=method, data=str(args.data), target=args.model or meta["model"], block_size=cfg.block_size,
+                   num_layers=cfg.num_layers, target_layer_ids=list(cfg.target_layer_ids))
+        Path(args.out, "train_log.json").write_text(json.dumps(log, indent=1))
+    dist.barrier()
+    dist.close()
     return log

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,23 +25,37 @@ from tqdm import tqdm
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
 from verispec.drafters.features import eagle3_layers
 from verispec.models.llama import LlamaModel
-from verispec.train.shards import TrainSequence, load_all, read_meta, target_logits
+from verispec.train.distributed import Dist
+from verispec.train.loop import LoopConfig, train_loop
+from verispec.train.loop import add_args as loop_args
+from verispec.train.share import rank_data
+from verispec.train.shards import TrainSequence, read_meta, target_logits
 
 DECAY = 0.8
 
 
-def build_vocab(seqs: list[TrainSequence], size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `size` most frequent response tokens (ties: lower id; padded with the lowest unused ids).
-    Returns d2t [size] (target id = draft id + d2t) and t2d [vocab] bool."""
+def token_counts(seqs: list[TrainSequence], vocab: int) -> torch.Tensor:
+    """[vocab] how often each token occurs in the responses."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in seqs:
         counts += torch.bincount(s.ids[s.prompt_len :], minlength=vocab)[:vocab]
+    return counts
+
+
+def choose_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `size` most frequent tokens (ties: lower id; padded with the lowest unused ids).
+    Returns d2t [size] (target id = draft id + d2t) and t2d [vocab] bool."""
+    vocab = counts.shape[0]
     order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))[:size]
     chosen = torch.tensor(sorted(order), dtype=torch.long)
     d2t = chosen - torch.arange(size)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[chosen] = True
     return d2t, t2d
+
+
+def build_vocab(seqs: list[TrainSequence], size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return choose_vocab(token_counts(seqs, vocab), size)
 
 
 def _ttt_attend(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
@@ -101,7 +113,7 @@ class SoftLabels:
 
 def soft_labels(seq: TrainSequence, out_w: torch.Tensor, max_len: int) -> SoftLabels:
     with torch.no_grad():
-        p = torch.softmax(target_logits(seq.last_hidden[:max_len], out_w).float(), dim=-1)  # [T, V]
+        p = torch.softmax(target_logits(seq.last_hidden[:max_len].to(out_w.device), out_w).float(), dim=-1)  # [T, V]
         probs, ids = p.topk(TOPK, dim=-1)
     return SoftLabels(ids, probs)
 
@@ -110,9 +122,10 @@ def sequence_loss(head: Eagle3Head, seq: TrainSequence, lab: SoftLabels, steps: 
                   ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Weighted soft cross-entropy of one sequence; also (correct top-1, counted) per step for accuracy.
     The target distribution is its top-TOPK mass restricted to the draft vocabulary (mass elsewhere is dropped)."""
-    ids = seq.ids[:max_len]
+    w = head.fc.weight
+    ids = seq.ids[:max_len].to(w.device)
     T = ids.shape[0]
-    feats = seq.features(head.feature_layers)[:T]
+    feats = seq.features(head.feature_layers)[:T].to(w)  # stored bf16, trained in the head's dtype
     with torch.no_grad():
         t2d_index = torch.cumsum(head.t2d.long(), 0) - 1  # [V] draft id of a target id (valid where t2d)
         in_draft = head.t2d[lab.ids]  # [T, TOPK]
@@ -121,8 +134,8 @@ def sequence_loss(head: Eagle3Head, seq: TrainSequence, lab: SoftLabels, steps: 
         top_t = lab.ids[:, 0]  # [T] the target's greedy token
     logits = ttt_logits(head, feats, ids, steps)
     n = T - 1
-    j = torch.arange(n)
-    total = torch.zeros(())
+    j = torch.arange(n, device=w.device)
+    total = torch.zeros((), device=w.device)
     acc = []
     for i, lg in enumerate(logits):
         r = j + 1 + i  # the target position whose distribution step i predicts
@@ -148,109 +161,97 @@ def expected_tau(acc_per_step: list[float]) -> float:
     return tau
 
 
-def evaluate(head: Eagle3Head, seqs: list[TrainSequence], labels: list[SoftLabels], steps: int, max_len: int
-             ) -> dict:
-    head.eval()
-    loss, right, count = 0.0, [0] * steps, [0] * steps
-    with torch.no_grad():
-        for s, lab in zip(seqs, labels):
-            l, acc = sequence_loss(head, s, lab, steps, max_len)
-            loss += float(l)
+class Eagle3Task:
+    """The loop's view of EAGLE-3 training: a micro-batch is one sequence of this rank's share (the step
+    accumulates --batch of them); held-out sums are the TTT loss and per-step top-1 counts."""
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, train: list[TrainSequence], held: list[TrainSequence], out_w: torch.Tensor,
+                 steps: int, max_len: int, progress: bool = False) -> None:
+        self.model, self.train, self.held, self.steps, self.max_len = head, train, held, steps, max_len
+        labels = [soft_labels(q, out_w, max_len) for q in tqdm(held + train, desc="soft labels", unit="seq",
+                                                               disable=not progress)]
+        self.held_labels, self.train_labels = labels[: len(held)], labels[len(held) :]
+
+    def sample(self, gen: torch.Generator) -> int:
+        return int(torch.randint(len(self.train), (1,), generator=gen))
+
+    def loss(self, k: int) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, acc = sequence_loss(self.model, self.train[k], self.train_labels[k], self.steps, self.max_len)
+        return loss, {"loss": float(loss.detach()), "tokens": float(acc[0][1])}
+
+    def eval_sums(self) -> dict[str, float]:
+        sums = {"loss": 0.0, "sequences": float(len(self.held))}
+        sums.update({f"right{i}": 0.0 for i in range(self.steps)} | {f"count{i}": 0.0 for i in range(self.steps)})
+        for s, lab in zip(self.held, self.held_labels):
+            loss, acc = sequence_loss(self.model, s, lab, self.steps, self.max_len)
+            sums["loss"] += float(loss)
             for i, (a, c) in enumerate(acc):
-                right[i] += a
-                count[i] += c
-    head.train()
-    accs = [r / c if c else 0.0 for r, c in zip(right, count)]
-    return {"loss": loss / max(1, len(seqs)), "top1_per_step": [round(a, 4) for a in accs],
-            "conditional_tau_estimate": round(expected_tau(accs), 3)}
+                sums[f"right{i}"] += a
+                sums[f"count{i}"] += c
+        return sums
+
+    def metrics(self, sums: dict[str, float]) -> dict:
+        accs = [sums[f"right{i}"] / sums[f"count{i}"] if sums[f"count{i}"] else 0.0 for i in range(self.steps)]
+        return {"loss": sums["loss"] / max(1.0, sums["sequences"]), "top1_per_step": [round(a, 4) for a in accs],
+                "conditional_tau_estimate": round(expected_tau(accs), 3)}
 
 
-def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int = 8192, steps: int = 7,
-          max_minutes: float = 60.0, max_updates: int | None = None, lr: float = 1e-3, batch: int = 4,
-          max_len: int = 768, holdout: float = 0.05, seed: int = 0, intermediate_size: int | None = None,
-          progress: bool = True) -> dict:
-    torch.manual_seed(seed)
-    meta = read_meta(data_dir)
-    seqs = load_all(data_dir)
-    # a sequence needs response positions inside the first max_len tokens (long prompts are truncated away)
-    seqs = [s for s in seqs if min(len(s.ids), max_len) - s.prompt_len >= 2]
-    if len(seqs) < 2:
-        raise ValueError(f"{data_dir} holds {len(seqs)} usable sequences; generate more with `verispec train data`")
-    rng = random.Random(seed)
-    rng.shuffle(seqs)
-    n_hold = max(1, int(len(seqs) * holdout))
-    held, train_seqs = seqs[:n_hold], seqs[n_hold:]
+def make_head(target: LlamaModel, train: list[TrainSequence], dist: Dist, draft_vocab: int, steps: int,
+              intermediate_size: int | None) -> Eagle3Head:
+    """A fresh head (the same on every rank: the seed, and the vocabulary from response counts over all ranks),
+    its output layer and final norm started from the target's."""
     layers = eagle3_layers(target.cfg.num_layers)
     cfg = Eagle3Config.for_target(target, layers, draft_vocab, intermediate_size)
     cfg = Eagle3Config(**{**cfg.__dict__, "ttt_steps": steps})
     head = Eagle3Head(cfg, target).float()
-    d2t, t2d = build_vocab(train_seqs, cfg.draft_vocab_size, cfg.vocab_size)
+    counts = torch.tensor(dist.sum(token_counts(train, cfg.vocab_size).tolist()), dtype=torch.long)
+    d2t, t2d = choose_vocab(counts, cfg.draft_vocab_size)
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)
-    out_w = target.output_weight().detach().float()
-    with torch.no_grad():  # start from the target's own output layer (its rows for the draft vocabulary)
+    with torch.no_grad():
+        out_w = target.output_weight().detach().float()
         head.lm_head.weight.copy_(out_w[head.to_target_ids(torch.arange(cfg.draft_vocab_size))])
         head.norm.copy_(target.norm.detach().float())
-    head.train()
-    start = time.perf_counter()
-    labels = [soft_labels(q, out_w, max_len) for q in tqdm(held + train_seqs, desc="soft labels", unit="seq",
-                                                              disable=not progress)]  # once, inside the budget
-    held_labels, train_labels = labels[: len(held)], labels[len(held) :]
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    budget = max_minutes * 60
-    est_updates = max_updates or max(1, int(budget / 5))  # refined below from the measured update time
-    log: list[dict] = []
-    update = 0
-    bar = tqdm(total=max_updates, desc="eagle3", unit="update", disable=not progress)
-    before = evaluate(head, held, held_labels, steps, max_len)
-    curve = [{"update": 0, "s": round(time.perf_counter() - start, 1), **before}]
-    t_train = time.perf_counter()
-    eval_s = 0.0  # time spent on held-out evaluation, kept out of the pace estimate
-    next_eval = 1
-    while True:
-        elapsed = time.perf_counter() - start
-        if (max_updates is not None and update >= max_updates) or (max_updates is None and elapsed >= budget):
-            break
-        if max_updates is None and update in (5, 50):  # time-budgeted: set the schedule length from the pace
-            pace = (time.perf_counter() - t_train - eval_s) / update  # seconds per update, evaluation excluded
-            est_updates = max(update + 1, int((budget - (t_train - start)) / pace))
-        frac = min(1.0, update / est_updates)
-        if frac >= next_eval / 8 and next_eval < 8:  # a held-out learning curve at eighths of the run
-            t0 = time.perf_counter()
-            curve.append({"update": update, "s": round(t0 - start, 1), **evaluate(head, held, held_labels, steps,
-                                                                                   max_len)})
-            eval_s += time.perf_counter() - t0
-            next_eval += 1
-        for g in opt.param_groups:  # warm-up, then cosine down to 5% of lr
-            g["lr"] = lr * min(1.0, (update + 1) / 20) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-        opt.zero_grad()
-        tot = 0.0
-        for _ in range(batch):
-            k = rng.randrange(len(train_seqs))
-            loss, _ = sequence_loss(head, train_seqs[k], train_labels[k], steps, max_len)
-            if not loss.requires_grad:  # no position to learn from (cannot happen after the filter above)
-                continue
-            (loss / batch).backward()
-            tot += float(loss.detach()) / batch
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        update += 1
-        log.append({"update": update, "loss": round(tot, 5), "s": round(time.perf_counter() - start, 1)})
-        bar.update(1)
-        bar.set_postfix(loss=f"{tot:.3f}")
-    bar.close()
-    wall = time.perf_counter() - start
-    after = evaluate(head, held, held_labels, steps, max_len)
-    curve.append({"update": update, "s": round(wall, 1), **after})
+    return head
+
+
+def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int = 8192, steps: int = 7,
+          max_minutes: float | None = 60.0, max_updates: int | None = None, lr: float = 1e-3, batch: int = 4,
+          max_len: int = 768, holdout: float = 0.05, seed: int = 0, intermediate_size: int | None = None,
+          eval_every: int = 50, save_every: int = 100, resume: bool = True, dist: Dist | None = None,
+          progress: bool = True) -> dict:
+    """Train a head on this rank's share of `data_dir` (`batch` sequences per rank and step), checkpointing into
+    out_dir (resumed from the newest checkpoint there); rank 0 writes the head and its log."""
+    dist = dist or Dist.single("cpu")
+    torch.manual_seed(seed)
+    meta = read_meta(data_dir)
+    layers = eagle3_layers(target.cfg.num_layers)
+    # a sequence needs response positions inside the first max_len tokens (long prompts are truncated away)
+    data = rank_data(data_dir, dist, layers, holdout, seed,
+                     usable=lambda r: min(r.length, max_len) - r.prompt_len >= 2)
+    head = make_head(target, data.train, dist, draft_vocab, steps, intermediate_size).to(dist.device)
+    out_w = target.output_weight().detach().float().to(dist.device)
+    task = Eagle3Task(head, data.train, data.held, out_w, steps, max_len, progress and dist.is_writer)
+    loop = LoopConfig(steps=max_updates, max_minutes=None if max_updates else max_minutes, lr=lr, warmup=20,
+                      final_lr=0.05, weight_decay=0.0, grad_clip=0.5, accum=batch, eval_every=eval_every,
+                      save_every=save_every, seed=seed)
+    fingerprint = {"data": str(Path(data_dir).resolve()), "sequences": meta.get("num_sequences"),
+                   "head": repr(head.cfg), "max_len": max_len}
+    log = train_loop(task, loop, dist, out_dir, fingerprint, resume=resume, progress=progress)
     info = {"method": "eagle3", "data": str(data_dir), "data_meta": {k: meta.get(k) for k in ("model", "prompt_files",
-            "num_sequences", "tokens")}, "updates": update, "sequences_per_update": batch,
-            "train_sequences": len(train_seqs), "heldout_sequences": len(held), "wall_s": round(wall, 1),
-            "threads": torch.get_num_threads(), "lr": lr, "ttt_steps": steps, "draft_vocab": cfg.draft_vocab_size,
-            "heldout_before": before, "heldout_after": after, "heldout_curve": curve,
-            "curve": log[:: max(1, len(log) // 200)]}
-    head.save_pretrained(out_dir, {"target": meta.get("model")})
-    (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
+            "num_sequences", "tokens")}, "updates": log["steps"], "sequences_per_update": batch * dist.world,
+            "world_size": dist.world, "train_sequences": data.train_total, "heldout_sequences": data.held_total,
+            "wall_s": log["wall_seconds"], "threads": torch.get_num_threads(), "lr": lr, "ttt_steps": steps,
+            "draft_vocab": head.cfg.draft_vocab_size, "train_tokens": log["train_tokens"],
+            "train_tokens_per_s": log["train_tokens_per_s"], "heldout_before": log["heldout"][0],
+            "heldout_after": log["heldout"][-1], "heldout_curve": log["heldout"],
+            "curve": log["loss"][:: max(1, len(log["loss"]) // 200)], "resumed_at": log.get("resumed_at", [])}
+    if dist.is_writer:
+        head.save_pretrained(out_dir, {"target": meta.get("model")})
+        (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
+    dist.barrier()
     return info
 
 
@@ -259,16 +260,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (d2t / t2d)")
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length")
-    p.add_argument("--max-minutes", type=float, default=55.0, help="wall-clock training budget")
+    p.add_argument("--max-minutes", type=float, default=55.0, help="training-time budget (summed over resumed runs)")
     p.add_argument("--updates", type=int, default=None, help="train for exactly this many updates instead")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch", type=int, default=4, help="sequences per update")
+    p.add_argument("--batch", type=int, default=4, help="sequences per update and rank (gradient accumulation)")
+    p.add_argument("--eval-every", type=int, default=50, help="updates between held-out evaluations")
     p.add_argument("--max-len", type=int, default=768, help="truncate sequences to this many tokens")
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     p.add_argument("--seed", type=int, default=0)
+    loop_args(p)
 
 
-def run(args: argparse.Namespace, target: LlamaModel) -> dict:
-    return train(args.data, target, args.out, draft_vocab=args.draft_vocab, steps=args.ttt_steps,
-                 max_minutes=args.max_minutes, max_updates=args.updates, lr=args.lr, batch=args.batch,
-                 max_len=args.max_len, seed=args.seed, intermediate_size=args.intermediate_size)
+def run(args: argparse.Namespace) -> dict:
+    """`verispec train eagle3`, in one process or on every rank of a torchrun launch."""
+    from verispec.models.loader import load_model
+
+    dist = Dist.from_env(args.device)
+    target, _ = load_model(args.model or read_meta(args.data)["model"], dtype=args.dtype, device=dist.device)
+    try:
+        return train(args.data, target, args.out, draft_vocab=args.draft_vocab, steps=args.ttt_steps,
+                     max_minutes=args.max_minutes, max_updates=args.updates, lr=args.lr, batch=args.batch,
+                     max_len=args.max_len, seed=args.seed, intermediate_size=args.intermediate_size,
+                     eval_every=args.eval_every, save_every=args.save_every, resume=not args.no_resume, dist=dist)
+    finally:
+        dist.close()

@@ -1,0 +1,182 @@
+"""The one training loop every drafter uses: one process or many ranks under `torchrun` (DistributedDataParallel),
+gradient accumulation, warm-up + cosine learning rate, a step and/or wall-time budget that every rank reads the same
+way, held-out evaluation summed over ranks, and checkpoints to resume from.
+
+A method supplies a `Task`: how to draw one micro-batch from this rank's data, its loss, and held-out sums. One
+optimizer step sees world * accum micro-batches; each rank's gradient is the mean over its own accum, DDP averages
+over ranks, so the step equals one process accumulating the same world * accum micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from verispec.train import checkpoint
+from verispec.train.distributed import Dist
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int | None = None  # stop after this many optimizer steps ...
+    max_minutes: float | None = None  # ... or this much training time (summed over resumed sessions), first wins
+    lr: float = 6e-4
+    warmup: int = 20  # steps of linear warm-up
+    final_lr: float = 0.0  # the cosine ends at this fraction of lr
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    accum: int = 1  # micro-batches per rank per step
+    eval_every: int = 50  # steps between held-out evaluations (plus one at the start and one at the end)
+    save_every: int = 100  # steps between checkpoints (plus one at the end); 0: only at the end
+    seed: int = 0
+    amp: bool = False  # bf16 autocast on CUDA
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.max_minutes is None:
+            raise ValueError("give a number of steps and/or a time budget (max_minutes)")
+        if (self.steps is not None and self.steps < 1) or (self.max_minutes is not None and self.max_minutes <= 0):
+            raise ValueError("steps and max_minutes must be positive")
+        if self.accum < 1 or self.eval_every < 1 or self.save_every < 0:
+            raise ValueError("accum and eval_every must be >= 1, save_every >= 0")
+
+
+class Task(Protocol):
+    model: nn.Module
+    name: str
+
+    def sample(self, gen: torch.Generator) -> Any:
+        """One micro-batch of this rank's training data, drawn with `gen` (the only randomness)."""
+
+    def loss(self, micro: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The differentiable loss of a micro-batch and its stats; stats["tokens"] counts trained positions."""
+
+    def eval_sums(self) -> dict[str, float]:
+        """Sums over this rank's held-out data (the same keys on every rank, also when it holds none)."""
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, Any]:
+        """Held-out metrics from the sums over all ranks."""
+
+
+class _Loss(nn.Module):
+    """Wraps the task so that DDP sees one forward per micro-batch (its gradient hooks sit on the task's model)."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__()
+        self.model = task.model
+        self._task = [task]
+
+    def forward(self, micro: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        return self._task[0].loss(micro)
+
+
+def lr_factor(step: int, progress: float, warmup: int, final: float = 0.0) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from 1 down to `final` over progress in [0, 1]."""
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return min(1.0, (step + 1) / max(1, warmup)) * (final + (1 - final) * cos)
+
+
+def evaluate(task: Task, dist: Dist, amp) -> dict[str, Any]:
+    was = task.model.training
+    task.model.eval()
+    with torch.no_grad(), amp():
+        sums = task.eval_sums()
+    task.model.train(was)
+    keys = sorted(sums)
+    return task.metrics(dict(zip(keys, dist.sum([sums[k] for k in keys]))))
+
+
+def train_loop(task: Task, cfg: LoopConfig, dist: Dist, out: str | Path | None = None,
+               fingerprint: dict | None = None, resume: bool = True, progress: bool = True,
+               on_step: Callable[[int, nn.Module], None] | None = None) -> dict[str, Any]:
+    """Train task.model in place (it must already sit on dist.device); returns the log. With `out`, checkpoints go to
+    out/checkpoints and a run with the same fingerprint resumes from the newest one."""
+    from tqdm.auto import tqdm
+
+    model = task.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + dist.rank)  # each rank draws its own micro-batches
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cfg.amp and dist.device.type == "cuda" \
+        else nullcontext
+    fingerprint = {**(fingerprint or {}), "task": task.name, "config": repr(cfg)}
+    found = checkpoint.latest(out) if out is not None and resume else None
+    if found is not None:
+        state = checkpoint.load(found, fingerprint, dist.world)
+        model.load_state_dict(state.model)
+        opt.load_state_dict(state.optimizer)
+        gen.set_state(state.generators[dist.rank])
+        step, spent, log = state.step, state.elapsed_s, state.log
+        log.setdefault("resumed_at", []).append(step)
+    else:
+        step, spent = 0, 0.0
+        log = {"world_size": dist.world, "accum": cfg.accum, "loss": [], "train_tokens": 0,
+               "heldout": [{"step": 0, **evaluate(task, dist, amp)}]}
+    net = nn.parallel.DistributedDataParallel(_Loss(task), device_ids=[dist.device.index] if dist.device.type ==
+                                              "cuda" else None) if dist.active else _Loss(task)
+    budget = cfg.max_minutes * 60 if cfg.max_minutes is not None else None
+    t0 = time.monotonic()
+
+    def save() -> None:
+        gens = dist.gather(gen.get_state())  # every rank takes part; rank 0 writes
+        if out is not None and dist.is_writer:
+            checkpoint.save(out, checkpoint.TrainState(step, spent + time.monotonic() - t0, model.state_dict(),
+                                                       opt.state_dict(), gens, log, dist.world, fingerprint))
+        dist.barrier()
+
+    bar = tqdm(total=cfg.steps, initial=step, disable=not (progress and dist.is_writer), desc=f"train {task.name}")
+    model.train()
+    while True:
+        elapsed = spent + dist.max(time.monotonic() - t0)  # one clock for all ranks: they stop together
+        prog = max(step / cfg.steps if cfg.steps else 0.0, elapsed / budget if budget else 0.0)
+        if prog >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * lr_factor(step, prog, cfg.warmup, cfg.final_lr)
+        opt.zero_grad(set_to_none=True)
+        loss_sum, tokens = 0.0, 0.0
+        for m in range(cfg.accum):
+            sync = net.no_sync() if dist.active and m < cfg.accum - 1 else nullcontext()
+            with sync:
+                with amp():
+                    loss, stats = net(task.sample(gen))
+                (loss / cfg.accum).backward()
+            loss_sum += float(loss.detach()) / cfg.accum
+            tokens += stats.get("tokens", 0.0)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        loss_all, tokens_all = dist.sum([loss_sum, tokens])
+        log["loss"].append(round(loss_all / dist.world, 5))
+        log["train_tokens"] += int(tokens_all)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_all / dist.world:.3f}")
+        if on_step is not None:
+            on_step(step, model)
+        if step % cfg.eval_every == 0:
+            log["heldout"].append({"step": step, **evaluate(task, dist, amp)})
+        if cfg.save_every and step % cfg.save_every == 0:
+            save()
+    bar.close()
+    if log["heldout"][-1]["step"] != step:
+        log["heldout"].append({"step": step, **evaluate(task, dist, amp)})
+    wall = spent + dist.max(time.monotonic() - t0)
+    log.update(steps=step, wall_seconds=round(wall, 2), train_tokens_per_s=round(log["train_tokens"] / max(wall, 1e-9),
+                                                                                  1))
+    save()
+    model.eval()
+    return log
+
+
+def add_args(p) -> None:
+    """The loop's command-line options, shared by every `verispec train <method>`."""
+    p.add_argument("--save-every", type=int, default=100, help="steps between resumable checkpoints in "
+                   "OUT/checkpoints (0: only at the end)")
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if OUT/checkpoints holds a "
+                   "checkpoint of this run (by default the newest one is resumed)")
