@@ -46,6 +46,31 @@ def capture_forward(model: LlamaModel, tokens: Sequence[int], layers: Sequence[i
     return out
 
 
+def capture_many(model: LlamaModel, sequences: Sequence[Sequence[int]], layers: Sequence[int],
+                 max_tokens: int = 4096) -> list[tuple[dict[int, torch.Tensor], torch.Tensor]]:
+    """Batched prefill, capture only: per sequence ({layer: [n, d]}, last_hidden [n, d]), each sequence in its own
+    cache slot of one forward over up to `max_tokens` rows (a longer sequence runs alone)."""
+    from verispec.models.llama import Segment
+
+    out: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []
+    i = 0
+    while i < len(sequences):
+        group = [sequences[i]]
+        while i + len(group) < len(sequences) and sum(map(len, group)) + len(sequences[i + len(group)]) <= max_tokens:
+            group.append(sequences[i + len(group)])
+        cache = model.new_cache(max(map(len, group)), num_slots=len(group))
+        segs = [Segment(cache.allocate(), 0, len(g)) for g in group]
+        ids = torch.tensor([t for g in group for t in g], device=model.device)
+        fwd = model(ids, segs, cache, logits_indices=[], capture_layers=tuple(layers), return_last_hidden=True)
+        rows = 0
+        for g in group:
+            part = slice(rows, rows + len(g))
+            out.append(({k: fwd.hidden[k][part] for k in layers}, fwd.last_hidden[part]))  # type: ignore[index]
+            rows += len(g)
+        i += len(group)
+    return out
+
+
 def target_features(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> tuple[torch.Tensor, ForwardOutput]:
     """([n, len(layers) d] features from scratch, the forward output): the state oracle's reference."""
     out = capture_forward(model, tokens, layers)

@@ -1,4 +1,4 @@
-"""`verispec train data | eagle3 | dflash | dspark` and `verispec train export-eagle3`."""
+"""`verispec train data | merge-data | eagle3 | dflash | dspark | export-eagle3`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ def add_train_parser(sub) -> None:
 
     data.add_args(tsub.add_parser("data", help="the target answers a prompt corpus; its hidden states are captured "
                                                "into sharded safetensors (resumable)"))
+    m = tsub.add_parser("merge-data", help="join the data directories of a run split with --part I/N")
+    m.add_argument("out", help="directory for the joined data")
+    m.add_argument("parts", nargs="+", help="the parts' directories")
     from verispec.train import eagle3
 
     e = tsub.add_parser("eagle3", help="train an EAGLE-3 head (TTT unroll, reduced draft vocabulary)")
@@ -45,6 +48,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         meta = data.run(args)
         print(json.dumps({k: meta[k] for k in ("num_sequences", "tokens", "response_tokens", "generate_s",
                                                "capture_s", "prompts_too_long")}, indent=1))
+        return 0
+    if c == "merge-data":
+        from verispec.train.data import merge_parts
+
+        meta = merge_parts(args.out, args.parts)
+        print(f"{args.out}: {len(meta['shards'])} shards, {meta['num_sequences']} sequences, "
+              f"{meta['response_tokens']} response tokens")
         return 0
     if c == "export-eagle3":
         from verispec.drafters.eagle3_export import export_from_checkpoint

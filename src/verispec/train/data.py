@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from verispec.train.corpus import project_prompts
 from verispec.train.shards import read_meta, shard_name, write_meta, write_shard
 
 # settings that must match for a resumed run to extend the same data set
-_FIXED = ("model", "layers", "sources", "modes", "max_tokens", "temperature", "shard_size", "seed", "jobs_total")
+_FIXED = ("model", "layers", "sources", "modes", "max_tokens", "temperature", "shard_size", "seed", "jobs_total",
+          "responder")
+_DEFAULTS = {"responder": "local"}  # data written before the key existed
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -62,18 +66,41 @@ def collect_prompts(files: list[str], per_file: int | None, project: bool) -> li
     return prompts
 
 
+def _respond_local(llm, chunk: list[tuple[dict, str]], first: int, max_tokens: int, temperature: float,
+                   seed: int) -> list[list[int]]:
+    """The local engine's responses (token ids) to a chunk of (prompt, mode) jobs, all at once (batched)."""
+    from verispec.execution.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if mode == "greedy" else
+              SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=job_seed(seed, first + j))
+              for j, (_, mode) in enumerate(chunk)]
+    outs = llm.generate([{"prompt_token_ids": p["ids"]} for p, _ in chunk], params, use_tqdm=False)
+    return [list(o.token_ids) for o in outs]
+
+
+def job_seed(seed: int, job: int) -> int:
+    """The sampling seed of job number `job` (global over the whole job list, so parts and resumes agree)."""
+    return seed * 1_000_003 + job
+
+
 def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str], modes: tuple[str, ...] = ("greedy",),
                   max_tokens: int = 256, temperature: float = 0.7, shard_size: int = 32, seed: int = 0,
-                  layers: list[int] | None = None, progress: bool = True) -> dict:
-    """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run."""
-    from verispec.drafters.features import capture_forward
-    from verispec.execution.sampling import SamplingParams
+                  layers: list[int] | None = None, endpoint=None, part: tuple[int, int] = (0, 1),
+                  progress: bool = True) -> dict:
+    """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run.
+
+    Responses come from `llm` itself or, with `endpoint` (train/endpoint.py), from an OpenAI-compatible server of
+    the same target; the hidden states are always recomputed here, in batched prefill. `part` = (i, n): only
+    shards s with s % n == i (n machines each run one part into their own directory; `merge_parts` joins them)."""
+    from verispec.drafters.features import capture_many
 
     model = llm.model
     layers = sorted(layers or default_layers(model.cfg.num_layers))
     bad = [i for i in layers if not 0 <= i <= model.cfg.num_layers]
     if bad:
         raise ValueError(f"layers {bad} are outside 0..{model.cfg.num_layers}")
+    if not (0 <= part[0] < part[1]):
+        raise ValueError(f"part {part[0]}/{part[1]}: needs 0 <= i < n")
     fits = []
     for p in prompts:  # prompts that cannot fit with their response are left out, and counted
         if "ids" in p:  # already token ids (models without a tokenizer)
@@ -89,49 +116,75 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
     meta = {"model": llm.resolved.name, "num_layers": model.cfg.num_layers, "hidden_size": model.cfg.hidden_size,
             "dtype": str(model.dtype).removeprefix("torch."), "layers": layers, "sources": sources,
             "modes": list(modes), "max_tokens": max_tokens, "temperature": temperature, "shard_size": shard_size,
-            "seed": seed, "jobs_total": len(jobs), "shards": [], "num_sequences": 0, "tokens": 0,
-            "response_tokens": 0, "generate_s": 0.0, "capture_s": 0.0,
-            "prompts_too_long": skipped}
+            "seed": seed, "jobs_total": len(jobs), "responder": endpoint.describe() if endpoint else "local",
+            "part": list(part), "shards": [], "num_sequences": 0, "tokens": 0, "response_tokens": 0,
+            "generate_s": 0.0, "capture_s": 0.0, "prompts_too_long": skipped}
     if (out / "meta.json").exists():
         old = read_meta(out)
-        diff = [k for k in _FIXED if old.get(k) != meta[k]]
+        diff = [k for k in _FIXED if old.get(k, _DEFAULTS.get(k)) != meta[k]]
         if diff:
             raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
                              "use another --out directory or delete it")
-        meta = old
+        meta = {**old, "responder": meta["responder"], "part": meta["part"]}
     n_shards = (len(jobs) + shard_size - 1) // shard_size
-    todo = [i for i in range(n_shards) if i not in set(meta["shards"]) or not (out / shard_name(i)).exists()]
-    bar = tqdm(total=len(jobs), initial=len(jobs) - sum(min(shard_size, len(jobs) - i * shard_size) for i in todo),
-               desc="train data", unit="seq", disable=not progress)
+    mine = [i for i in range(n_shards) if i % part[1] == part[0]]
+    todo = [i for i in mine if i not in set(meta["shards"]) or not (out / shard_name(i)).exists()]
+    size = lambda i: min(shard_size, len(jobs) - i * shard_size)  # noqa: E731
+    bar = tqdm(total=sum(map(size, mine)), initial=sum(map(size, mine)) - sum(map(size, todo)), desc="train data",
+               unit="seq", disable=not progress)
     for i in todo:
         chunk = jobs[i * shard_size : (i + 1) * shard_size]
         t0 = time.perf_counter()
-        encoded, params = [], []
-        for j, (p, mode) in enumerate(chunk):
-            encoded.append({"prompt_token_ids": p["ids"]})
-            if mode == "greedy":
-                params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens))
-            else:
-                params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                             seed=seed * 1_000_003 + i * shard_size + j))
-        outs = llm.generate(encoded, params, use_tqdm=False)
+        if endpoint is None:
+            responses = _respond_local(llm, chunk, i * shard_size, max_tokens, temperature, seed)
+        else:
+            responses = endpoint.respond([(p["ids"], mode, job_seed(seed, i * shard_size + j))
+                                          for j, (p, mode) in enumerate(chunk)], max_tokens, temperature)
         t1 = time.perf_counter()
-        seqs = []
-        for o in outs:
-            ids = list(o.prompt_token_ids) + list(o.token_ids)
-            fwd = capture_forward(model, ids, layers)
-            seqs.append((ids, len(o.prompt_token_ids), {k: fwd.hidden[k].float() for k in layers},
-                         fwd.last_hidden.float()))  # type: ignore[union-attr]
-            meta["tokens"] += len(ids)
-            meta["response_tokens"] += len(o.token_ids)
+        full = [p["ids"] + r for (p, _), r in zip(chunk, responses)]
+        captured = capture_many(model, full, layers)
+        seqs = [(ids, len(p["ids"]), {k: h[k].float() for k in layers}, last.float())
+                for ids, (p, _), (h, last) in zip(full, chunk, captured)]
         write_shard(out / shard_name(i), seqs)
         meta["shards"] = sorted(set(meta["shards"]) | {i})
         meta["num_sequences"] += len(seqs)
+        meta["tokens"] += sum(map(len, full))
+        meta["response_tokens"] += sum(map(len, responses))
         meta["generate_s"] = round(meta["generate_s"] + t1 - t0, 1)
         meta["capture_s"] = round(meta["capture_s"] + time.perf_counter() - t1, 1)
         write_meta(out, meta)
         bar.update(len(chunk))
     bar.close()
+    return meta
+
+
+def merge_parts(out_dir: str, parts: list[str]) -> dict:
+    """Join the directories of a data run split over machines (`--part i/n`) into one: the settings must agree,
+    each shard comes from one part only; shards are hard-linked where the file system allows, else copied."""
+    metas = [read_meta(p) for p in parts]
+    diff = sorted({k for m in metas[1:] for k in _FIXED if m.get(k, _DEFAULTS.get(k)) !=
+                   metas[0].get(k, _DEFAULTS.get(k))})
+    if diff:
+        raise ValueError(f"the parts were made with different settings ({', '.join(diff)}): they are not one data set")
+    owner: dict[int, str] = {}
+    for p, m in zip(parts, metas):
+        for s in m["shards"]:
+            if s in owner:
+                raise ValueError(f"shard {s} is in both {owner[s]} and {p}")
+            owner[s] = p
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for s, p in owner.items():
+        dst = out / shard_name(s)
+        if not dst.exists():
+            try:
+                os.link(Path(p) / shard_name(s), dst)
+            except OSError:
+                shutil.copyfile(Path(p) / shard_name(s), dst)
+    meta = {**metas[0], "shards": sorted(owner), "part": [0, 1], "merged_from": [str(p) for p in parts]}
+    for k in ("num_sequences", "tokens", "response_tokens", "generate_s", "capture_s"):
+        meta[k] = round(sum(m.get(k, 0) for m in metas), 1)
+    write_meta(out, meta)
     return meta
 
 
@@ -150,6 +203,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests generated at once")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts in all (quick runs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--endpoint", default=None, help="take the responses from this OpenAI-compatible server of the "
+                   "same target (vLLM, SGLang, verispec serve); hidden states are still computed here")
+    p.add_argument("--served-model", default=None, help="the model id on --endpoint (default: the only one)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight to --endpoint")
+    p.add_argument("--part", default="0/1", help="I/N: write only shards s with s %% N == I (N machines, one part "
+                   "each, into their own --out; join them with `verispec train merge-data`)")
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--part takes I/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--part {text}: needs 0 <= I < N")
+    return i, n
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -167,7 +236,19 @@ def run(args: argparse.Namespace) -> dict:
         sources.append(f"per_file={args.per_file}")
     if args.limit is not None:
         sources.append(f"limit={args.limit}")
+    part = parse_part(args.part)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048)
+    endpoint = None
+    if args.endpoint:
+        from verispec.train.endpoint import Endpoint
+
+        endpoint = Endpoint.connect(args.endpoint, args.served_model, tokenizer=llm.tokenizer,
+                                    concurrency=args.concurrency)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    return generate_data(llm, args.out, prompts, sources=sources, modes=modes, max_tokens=args.max_tokens,
-                         temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, layers=layers)
+    meta = generate_data(llm, args.out, prompts, sources=sources, modes=modes, max_tokens=args.max_tokens,
+                         temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, layers=layers,
+                         endpoint=endpoint, part=part)
+    if endpoint is not None and endpoint.retokenized:
+        meta["retokenized_responses"] = meta.get("retokenized_responses", 0) + endpoint.retokenized
+        write_meta(args.out, meta)
+    return meta
