@@ -92,11 +92,56 @@ def evaluate(task: Task, dist: Dist, amp) -> dict[str, Any]:
     return task.metrics(dict(zip(keys, dist.sum([sums[k] for k in keys]))))
 
 
+@dataclass
+class _Run:
+    """The mutable state of one training run (what a checkpoint stores, plus this session's clock)."""
+
+    step: int
+    spent: float  # training seconds of earlier sessions
+    log: dict[str, Any]
+    t0: float = 0.0
+
+    def elapsed(self, dist: Dist) -> float:
+        return self.spent + dist.max(time.monotonic() - self.t0)  # one clock for all ranks: they stop together
+
+
+def _start(task: Task, opt: torch.optim.Optimizer, gen: torch.Generator, dist: Dist, out, fingerprint: dict,
+           resume: bool, amp) -> _Run:
+    """Resume from the newest checkpoint in out (same fingerprint and world size), or start at step 0."""
+    found = checkpoint.latest(out) if out is not None and resume else None
+    if found is None:
+        log = {"world_size": dist.world, "loss": [], "train_tokens": 0, "train_step_s": 0.0,
+               "heldout": [{"step": 0, **evaluate(task, dist, amp)}]}
+        return _Run(0, 0.0, log, time.monotonic())
+    state = checkpoint.load(found, fingerprint, dist.world)
+    task.model.load_state_dict(state.model)
+    opt.load_state_dict(state.optimizer)
+    gen.set_state(state.generators[dist.rank])
+    state.log.setdefault("resumed_at", []).append(state.step)
+    return _Run(state.step, state.elapsed_s, state.log, time.monotonic())
+
+
+def _step(net: nn.Module, task: Task, gen: torch.Generator, cfg: LoopConfig, dist: Dist, amp) -> tuple[float, float]:
+    """Forward and backward of this rank's accum micro-batches (DDP all-reduces the gradients on the last one);
+    returns (mean loss, trained tokens) of this rank."""
+    loss_sum, tokens = 0.0, 0.0
+    for m in range(cfg.accum):
+        sync = net.no_sync() if dist.active and m < cfg.accum - 1 else nullcontext()  # type: ignore[operator]
+        with sync:
+            with amp():
+                loss, stats = net(task.sample(gen))
+            (loss / cfg.accum).backward()
+        loss_sum += float(loss.detach()) / cfg.accum
+        tokens += stats.get("tokens", 0.0)
+    return loss_sum, tokens
+
+
 def train_loop(task: Task, cfg: LoopConfig, dist: Dist, out: str | Path | None = None,
                fingerprint: dict | None = None, resume: bool = True, progress: bool = True,
                on_step: Callable[[int, nn.Module], None] | None = None) -> dict[str, Any]:
     """Train task.model in place (it must already sit on dist.device); returns the log. With `out`, checkpoints go to
-    out/checkpoints and a run with the same fingerprint resumes from the newest one."""
+    out/checkpoints and a run with the same fingerprint resumes from the newest one. on_step(step, model) runs
+    after every optimizer step (logging, tests)."""
     from tqdm.auto import tqdm
 
     model = task.model
@@ -106,72 +151,54 @@ def train_loop(task: Task, cfg: LoopConfig, dist: Dist, out: str | Path | None =
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cfg.amp and dist.device.type == "cuda" \
         else nullcontext
     fingerprint = {**(fingerprint or {}), "task": task.name, "config": repr(cfg)}
-    found = checkpoint.latest(out) if out is not None and resume else None
-    if found is not None:
-        state = checkpoint.load(found, fingerprint, dist.world)
-        model.load_state_dict(state.model)
-        opt.load_state_dict(state.optimizer)
-        gen.set_state(state.generators[dist.rank])
-        step, spent, log = state.step, state.elapsed_s, state.log
-        log.setdefault("resumed_at", []).append(step)
-    else:
-        step, spent = 0, 0.0
-        log = {"world_size": dist.world, "accum": cfg.accum, "loss": [], "train_tokens": 0,
-               "heldout": [{"step": 0, **evaluate(task, dist, amp)}]}
+    run = _start(task, opt, gen, dist, out, fingerprint, resume, amp)
     net = nn.parallel.DistributedDataParallel(_Loss(task), device_ids=[dist.device.index] if dist.device.type ==
                                               "cuda" else None) if dist.active else _Loss(task)
     budget = cfg.max_minutes * 60 if cfg.max_minutes is not None else None
-    t0 = time.monotonic()
 
     def save() -> None:
         gens = dist.gather(gen.get_state())  # every rank takes part; rank 0 writes
         if out is not None and dist.is_writer:
-            checkpoint.save(out, checkpoint.TrainState(step, spent + time.monotonic() - t0, model.state_dict(),
-                                                       opt.state_dict(), gens, log, dist.world, fingerprint))
+            checkpoint.save(out, checkpoint.TrainState(run.step, run.spent + time.monotonic() - run.t0,
+                                                       model.state_dict(), opt.state_dict(), gens, run.log,
+                                                       dist.world, fingerprint))
         dist.barrier()
 
-    bar = tqdm(total=cfg.steps, initial=step, disable=not (progress and dist.is_writer), desc=f"train {task.name}")
+    bar = tqdm(total=cfg.steps, initial=run.step, disable=not (progress and dist.is_writer), desc=f"train {task.name}")
     model.train()
     while True:
-        elapsed = spent + dist.max(time.monotonic() - t0)  # one clock for all ranks: they stop together
-        prog = max(step / cfg.steps if cfg.steps else 0.0, elapsed / budget if budget else 0.0)
+        prog = max(run.step / cfg.steps if cfg.steps else 0.0, run.elapsed(dist) / budget if budget else 0.0)
         if prog >= 1.0:
             break
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * lr_factor(step, prog, cfg.warmup, cfg.final_lr)
+            g["lr"] = cfg.lr * lr_factor(run.step, prog, cfg.warmup, cfg.final_lr)
+        t = time.monotonic()
         opt.zero_grad(set_to_none=True)
-        loss_sum, tokens = 0.0, 0.0
-        for m in range(cfg.accum):
-            sync = net.no_sync() if dist.active and m < cfg.accum - 1 else nullcontext()
-            with sync:
-                with amp():
-                    loss, stats = net(task.sample(gen))
-                (loss / cfg.accum).backward()
-            loss_sum += float(loss.detach()) / cfg.accum
-            tokens += stats.get("tokens", 0.0)
+        loss, tokens = _step(net, task, gen, cfg, dist, amp)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        step += 1
-        loss_all, tokens_all = dist.sum([loss_sum, tokens])
-        log["loss"].append(round(loss_all / dist.world, 5))
-        log["train_tokens"] += int(tokens_all)
+        run.step += 1
+        loss_all, tokens_all, step_s = dist.sum([loss, tokens, time.monotonic() - t])
+        run.log["loss"].append(round(loss_all / dist.world, 5))
+        run.log["train_tokens"] += int(tokens_all)
+        run.log["train_step_s"] += step_s / dist.world
         bar.update(1)
         bar.set_postfix(loss=f"{loss_all / dist.world:.3f}")
         if on_step is not None:
-            on_step(step, model)
-        if step % cfg.eval_every == 0:
-            log["heldout"].append({"step": step, **evaluate(task, dist, amp)})
-        if cfg.save_every and step % cfg.save_every == 0:
+            on_step(run.step, model)
+        if run.step % cfg.eval_every == 0:
+            run.log["heldout"].append({"step": run.step, **evaluate(task, dist, amp)})
+        if cfg.save_every and run.step % cfg.save_every == 0:
             save()
     bar.close()
-    if log["heldout"][-1]["step"] != step:
-        log["heldout"].append({"step": step, **evaluate(task, dist, amp)})
-    wall = spent + dist.max(time.monotonic() - t0)
-    log.update(steps=step, wall_seconds=round(wall, 2), train_tokens_per_s=round(log["train_tokens"] / max(wall, 1e-9),
-                                                                                  1))
+    if run.log["heldout"][-1]["step"] != run.step:
+        run.log["heldout"].append({"step": run.step, **evaluate(task, dist, amp)})
+    step_s = max(run.log["train_step_s"], 1e-9)
+    run.log.update(steps=run.step, wall_seconds=round(run.elapsed(dist), 2),
+                   train_tokens_per_s=round(run.log["train_tokens"] / step_s, 1))
     save()
     model.eval()
-    return log
+    return run.log
 
 
 def add_args(p) -> None:
