@@ -54,3 +54,21 @@ def test_trained_drafter_output_equals_plain(pipeline, method):
     got = fast.chat(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == want
     assert all(o.stats["method"] == method for o in got)
+
+
+@pytest.mark.parametrize("method, fmt", [("dspark", "speculators"), ("dflash", "dflash")])
+def test_export_dflash_and_dspark(pipeline, method, fmt):
+    from safetensors import safe_open
+
+    out = pipeline / f"export-{method}"
+    assert main(["train", "export-dflash", str(pipeline / method), str(out), "--format", fmt]) == 0
+    conf = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= names
+    if fmt == "speculators":
+        assert conf["speculators_model_type"] == "dspark" and conf["aux_hidden_state_layer_ids"]
+        assert {"embed_tokens.weight", "markov_head.markov_w1.weight", "confidence_head.proj.bias"} <= names
+    else:
+        assert conf["architectures"] == ["DFlashDraftModel"] and (out / "mask_embedding.pt").exists()
+        assert conf["dflash_config"]["mask_token_id"] == 2  # SmolLM2's <|im_end|>, its first EOS id

@@ -1,4 +1,4 @@
-"""`verispec train data | merge-data | eagle3 | dflash | dspark | export-eagle3`."""
+"""`verispec train data | merge-data | eagle3 | dflash | dspark | export-eagle3 | export-dflash`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def add_train_parser(sub) -> None:
     for method in ("dflash", "dspark"):
         p = tsub.add_parser(method, help=f"train a {'DSpark' if method == 'dspark' else 'DFlash'} block drafter")
         dflash.add_args(p, method)
+    f = tsub.add_parser("export-dflash", help="write a trained DFlash / DSpark drafter in the layout vLLM and SGLang "
+                        "load (speculators: vLLM, DFlash and DSpark; dflash: z-lab's DFlashDraftModel)")
+    f.add_argument("checkpoint", help="directory written by `verispec train dflash | dspark` (or a shipped name)")
+    f.add_argument("out", help="directory for the export")
+    f.add_argument("--format", default="speculators", choices=["speculators", "dflash"])
+    f.add_argument("--model", default="smollm2-135m-instruct", help="the target the drafter was trained for")
+    f.add_argument("--verifier", default=None, help="the target's name for the engine (default: --model)")
+    f.add_argument("--mask-token-id", type=int, default=None, help="the id at mask positions (default: the "
+                   "target's EOS; its row carries the learned mask vector)")
+    f.add_argument("--dtype", default="bfloat16")
     x = tsub.add_parser("export-eagle3", help="write a trained EAGLE-3 head in the layout vLLM and SGLang load")
     x.add_argument("checkpoint", help="directory written by `verispec train eagle3` (or a shipped drafter's name)")
     x.add_argument("out", help="directory for the export")
@@ -55,6 +65,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         meta = merge_parts(args.out, args.parts)
         print(f"{args.out}: {len(meta['shards'])} shards, {meta['num_sequences']} sequences, "
               f"{meta['response_tokens']} response tokens")
+        return 0
+    if c == "export-dflash":
+        from verispec.drafters.dflash import load
+        from verispec.drafters.dflash_export import export
+        from verispec.drafters.shipped import resolve
+        from verispec.models.loader import load_model, parse_dtype
+
+        target, _ = load_model(args.model, dtype="float32", device="cpu")
+        drafter = load(resolve(args.checkpoint), target)
+        path = export(drafter, target, args.out, args.format, args.mask_token_id, args.verifier or args.model,
+                      parse_dtype(args.dtype))
+        print(f"wrote {path} ({args.format} layout)")
         return 0
     if c == "export-eagle3":
         from verispec.drafters.eagle3_export import export_from_checkpoint
