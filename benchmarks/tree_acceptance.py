@@ -1,4 +1,4 @@
-"""Trees against chains at the same number of verified positions: the model-free drafters' tau, greedy, exactly.
+"""Trees against chains at the same number of verified positions: the drafters' tau, greedy, exactly.
 
 Conditions (MEASURE.md):
   - Model: the default model (--dtype auto: the engine's measured path), CPU; prompts: the first --limit prompts
@@ -7,13 +7,16 @@ Conditions (MEASURE.md):
     commits the longest drafted path that follows the target's own continuation, plus one token, whatever else the
     draft holds. So every step is simulated on the recorded continuation: a chain of k tokens (`propose`) against
     a tree of at most k nodes and depth k (`propose_tree`: for ngram the recent earlier occurrences of the tail
-    weighed by agreement, for suffix the most probable nodes of its tries). Both verify at most k + 1 positions
+    weighed by agreement, for suffix the most probable nodes of its tries, for eagle3 EAGLE-2's dynamic tree by
+    the head's cumulative draft probability, fed the target's features of the committed positions from one
+    from-scratch forward over the recorded sequence, as the engine feeds them from its verify forwards). Both verify at most k + 1 positions
     per step; the mean verified positions are reported beside tau. Suffix drafters of one workload share a cache
     that holds the earlier prompts' outputs, chains and trees each their own.
   - Baseline: the chain at the same k, same continuations, same run. No timing: what a tree costs on the target is
     the forward over its nodes, which equals the chain's at the same positions (tests/test_tree_attention.py).
 
     python benchmarks/tree_acceptance.py --limit 8 --max-tokens 128 --k 2,4,8 --drafters ngram,suffix
+    python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.drafters.eagle3 import Eagle3Drafter
+from verispec.drafters.eagle3 import load as load_head
+from verispec.drafters.features import capture_forward, select
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.shipped import resolve
 from verispec.drafters.suffix import SuffixCache, SuffixDrafter
 from verispec.execution.tree_verify import verify_tree_greedy
 from verispec.execution.verify import verify_greedy
 from verispec.models.tree import TreeDraft, depths
 
 
-def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool) -> tuple[int, int, int]:
+def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats: torch.Tensor | None = None
+           ) -> tuple[int, int, int]:
     """(tokens committed, steps, positions verified) of n-gram drafting over the recorded continuation `out`,
     through the engine's own greedy verification rules, with logits whose argmax at every query row is the
     target's recorded next token for that row's depth (the only rows the rules read lie on the followed path)."""
@@ -40,6 +48,8 @@ def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool) -> tu
     end = out + [0] * (k + 1)  # past the continuation's end nothing matters: the replay stops there
     while t < len(out):
         context = prompt + out[:t]
+        if feats is not None:  # a learned drafter: the target's features of every committed position but the last
+            drafter.add_features(feats[drafter.n_feat : len(context) - 1])
         d = drafter.propose_tree(context, k, k) if tree else TreeDraft.chain(drafter.propose(context, k).tokens)
         rows = [t + r for r in depths(d.parents)]  # [N + 1] position in `out` each query row predicts
         logits = torch.zeros(len(rows), max(end[: t + k + 1] + list(d.tokens)) + 1)
@@ -48,14 +58,17 @@ def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool) -> tu
         t += verdict.accepted + 1
         steps += 1
         verified += len(d.tokens) + 1
-    drafter.propose(prompt + out, 0)  # sees the whole output, then leaves it in a suffix cache on release
+    if feats is None:
+        drafter.propose(prompt + out, 0)  # sees the whole output, then leaves it in a suffix cache on release
     drafter.release()
     return len(out), steps, verified
 
 
-def new_drafter(name: str, cache: SuffixCache):
+def new_drafter(name: str, cache: SuffixCache, head=None):
     """A fresh per-request drafter; suffix drafters of one workload share `cache`, in which each replayed request's
     output is left when it ends (as the engine does on release), so later prompts draw on earlier outputs."""
+    if name == "eagle3":
+        return Eagle3Drafter(head, SamplingParams(temperature=0), max_len=4096)
     return NgramDrafter() if name == "ngram" else SuffixDrafter(cache)
 
 
@@ -66,11 +79,12 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", default="2,4,8", help="draft positions per step (chain length = tree node budget)")
-    ap.add_argument("--drafters", default="ngram,suffix", help="ngram and / or suffix")
+    ap.add_argument("--drafters", default="ngram,suffix", help="ngram, suffix and / or eagle3")
+    ap.add_argument("--eagle3", default="smollm2-135m-instruct-eagle3", help="the EAGLE-3 head (shipped name or dir)")
     args = ap.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
     ks = [int(k) for k in args.k.split(",")]
-    print(f"\n## N-gram trees vs chains: {args.model}, greedy, {args.limit} prompts per workload, "
+    print(f"\n## Trees vs chains: {args.model}, greedy, {args.limit} prompts per workload, "
           f"{args.max_tokens} max tokens\n")
     print("| drafter | workload | k | chain tau | tree tau | tree / chain | verified per step (chain / tree) |")
     print("|---|---|---|---|---|---|---|")
@@ -81,10 +95,21 @@ def main(argv=None) -> int:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                             SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
         runs[w] = [(ids, list(o.token_ids)) for ids, o in zip(prompts, outs)]
+    head = None
+    if "eagle3" in args.drafters.split(","):
+        head = load_head(resolve(args.eagle3), llm.model)
+    feats = {}  # the target's features along each recorded sequence, from one from-scratch forward
+    for w, items in runs.items():
+        for ids, out in items:
+            if head is not None:
+                feats[(w, len(ids), tuple(out))] = select(capture_forward(llm.model, ids + out, head.feature_layers)
+                                                          .hidden, head.feature_layers)
     for name in args.drafters.split(","):
         for w, items in runs.items():
             for k in ks:
-                res = {tree: [replay(new_drafter(name, shared[tree]), ids, out, k, tree) for ids, out in items]
+                res = {tree: [replay(new_drafter(name, shared[tree], head), ids, out, k, tree,
+                                     feats.get((w, len(ids), tuple(out))) if name == "eagle3" else None)
+                              for ids, out in items]
                        for shared in [{False: SuffixCache(), True: SuffixCache()}] for tree in (False, True)}
                 tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}
                 ver = {tree: statistics.fmean(r[2] / r[1] for r in rs) for tree, rs in res.items()}

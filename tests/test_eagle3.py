@@ -209,3 +209,78 @@ def test_loading_a_head_for_another_target_is_refused(setup, tmp_path):
     other, _ = load_model(str(tmp_path / "other"), dtype="float32", device="cpu", progress=False)
     with pytest.raises(ValueError, match="trained for a target"):
         load(setup["root"] / "head", other)
+
+
+def _path(tree, i: int) -> tuple[int, ...]:
+    """The tokens from the root to node i of a TreeDraft or a growing tree."""
+    tokens, parents = (tree.tokens, tree.parents) if hasattr(tree, "tokens") else (tree.token, tree.parent)
+    out = []
+    while i >= 0:
+        out.append(tokens[i])
+        i = parents[i]
+    return tuple(reversed(out))
+
+
+def test_tree_is_eagle2_selection_over_independently_scored_paths(setup):
+    """The drafter's tree (one batched head run per depth, tree-masked scratch K/V) against EAGLE-2's selection
+    simulated here, with every path's log-probability from the training unroll teacher-forced on that path."""
+    from verispec.drafters.eagle3 import TREE_TOPK
+
+    llm = setup["llm"]
+    head = load(setup["root"] / "head", llm.model)
+    seq = load_all(setup["root"] / "data")[1]
+    j = 9
+    ctx = seq.ids[: j + 2].tolist()
+    feats = seq.features(head.feature_layers).float()
+    budget, depth = 6, 3
+
+    def logp(path: tuple[int, ...]) -> torch.Tensor:  # [Vd] draft log-probabilities after ctx + path
+        ids = torch.tensor(ctx + list(path) + [0])
+        f = torch.cat([feats[: j + 1], torch.zeros(len(ids) - j - 1, feats.shape[1])])  # later features unused
+        with torch.no_grad():
+            return torch.log_softmax(te.ttt_logits(head, f, ids, len(path) + 1)[len(path)][j], -1)
+
+    scores: dict[tuple[int, ...], float] = {}
+    frontier = [()]
+    for _ in range(depth):
+        new = []
+        for par in frontier:
+            lp = logp(par)
+            vals, idx = lp.topk(TREE_TOPK)
+            for v, t in zip(vals.tolist(), head.to_target_ids(idx).tolist()):
+                scores[par + (t,)] = scores.get(par, 0.0) + v
+                new.append(par + (t,))
+        frontier = sorted(new, key=lambda p: -scores[p])[: min(budget, TREE_TOPK)]
+    want = set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:budget])
+
+    d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
+    d.add_features(feats[: j + 1])
+    grown = d._grow(ctx, budget, depth)  # every candidate, with the score the drafter gave it
+    paths = [_path(grown, i) for i in range(len(grown.token))]
+    assert set(paths) == set(scores)
+    for path, score in zip(paths, grown.score):
+        assert abs(score - scores[path]) < 1e-4, path
+    d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
+    d.add_features(feats[: j + 1])
+    tree = d.propose_tree(ctx, budget, depth)
+    got = {_path(tree, i) for i in range(len(tree.tokens))}
+    assert got == want and len(tree.tokens) == budget
+    assert max(len(p) for p in got) > 1 and len({p[0] for p in got}) > 1  # a real tree: deep and branching
+
+
+def test_tree_drafting_in_the_engine_equals_hf_with_state_oracle(setup):
+    head_dir = str(setup["root"] / "head")
+    llm = LLM(str(setup["root"] / "target"), dtype="float32", max_model_len=128, max_num_seqs=4, progress=False,
+              speculative_config={"method": "eagle3", "model": head_dir, "num_speculative_tokens": 6,
+                                  "draft_tree": True}, check_state=True, max_num_batched_tokens=16, scheduler="static")
+    prompts = [p["ids"] + p["ids"][:3] for p in setup["prompts"][:6]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * 6, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(setup["hf"], p, MAX_NEW)
+    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.2
+    sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(3)]
+    a = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], sampled, use_tqdm=False)
+    b = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], sampled, use_tqdm=False)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert llm.engine.kv_tokens() == 0

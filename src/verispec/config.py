@@ -127,6 +127,7 @@ class ModelConfig:
 MODEL_FREE_METHODS = ("ngram", "suffix")  # drafting from the request's own tokens (and earlier outputs)
 LEARNED_METHODS = ("eagle3", "dflash", "dspark")  # trained heads reading the target's hidden states
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS)
+TREE_METHODS = ("ngram", "suffix", "eagle3")  # the drafters with a propose_tree
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class SpeculativeConfig:
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
     # verify a token tree of up to num_speculative_tokens nodes per step instead of a chain (SGLang's
-    # speculative_num_draft_tokens); the ngram and suffix drafters propose trees so far, with the exact rule
+    # speculative_num_draft_tokens); the TREE_METHODS drafters propose trees so far, with the exact rule
     draft_tree: bool = False
 
     def __post_init__(self) -> None:
@@ -160,9 +161,9 @@ class SpeculativeConfig:
                              f"itself when the target is the model it was trained for)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.draft_tree and (self.method not in ("ngram", "suffix") or self.acceptance_rule != "exact"):
-            raise ValueError("draft_tree: only the ngram and suffix drafters propose trees so far, verified with "
-                             "the exact rule")
+        if self.draft_tree and (self.method not in TREE_METHODS or self.acceptance_rule != "exact"):
+            raise ValueError(f"draft_tree: only the {', '.join(TREE_METHODS)} drafters propose trees so far, "
+                             "verified with the exact rule")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | "SpeculativeConfig" | None) -> "SpeculativeConfig":

@@ -338,7 +338,7 @@ class Engine:
         if lv.proposed:  # even when none of the draft was verified
             lv.drafter.observe(verdict.accepted)  # type: ignore[union-attr]
         if needs_features(lv.drafter):
-            lv.drafter.add_features(out.features(block, n))  # type: ignore[union-attr]
+            lv.drafter.add_features(out.features(block, n, rows))  # type: ignore[union-attr]
 
     def _account(self, lv: LiveRequest, verdict: Verdict, timing: StepTiming, *, verify_s: float,
                  state_s: float) -> None:

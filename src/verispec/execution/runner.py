@@ -43,9 +43,13 @@ class BatchOutput:
         assert rows is not None, "a prefill chunk has no logits"
         return self.out.logits[rows]
 
-    def features(self, block: int, n: int | None = None) -> torch.Tensor:
-        """[n, len(feature_layers) d]: the captured states of the block's first n rows (all by default)."""
+    def features(self, block: int, n: int | None = None, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """[n, len(feature_layers) d]: the captured states of the block's first n rows (all by default), or of
+        the given rows of the block (a tree's root and accepted path)."""
         r = self.rows[block]
+        if rows is not None:
+            index = torch.tensor([r.start + i for i in rows], device=self.out.hidden[self.feature_layers[0]].device)
+            return select(self.out.hidden, self.feature_layers, index)
         stop = r.stop if n is None else r.start + n
         return select(self.out.hidden, self.feature_layers, slice(r.start, stop))
 
