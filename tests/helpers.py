@@ -25,6 +25,22 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def sharp_llama(directory: Path, seed: int, **config: Any):
+    """A random HF Llama (fp32, eval) with sharp next-token distributions (lm_head x4), saved to `directory`;
+    returns (HF model, our LlamaModel loaded from the directory)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from verispec.models.loader import load_model
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**config)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4.0)
+    hf.save_pretrained(directory)
+    model, _ = load_model(str(directory), dtype="float32", device="cpu")
+    return hf, model
+
+
 def self_distilled_data(hf, model, target_dir, path: Path, n: int, shard_size: int, seed: int = 5,
                         response: int = 28) -> Path:
     """`n` training sequences (a random prompt of 3-6 tokens + HF's greedy response) with every layer's hidden

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import hf_greedy, self_distilled_data
+from tests.helpers import hf_greedy, self_distilled_data, sharp_llama
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment
@@ -27,15 +27,8 @@ GREEDY = SamplingParams(temperature=0)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(directory, HF model, our LlamaModel) of a random 6-layer Llama with sharp next-token distributions."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(11)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(4.0)
     d = tmp_path_factory.mktemp("target")
-    hf.save_pretrained(d)
-    model, _ = load_model(str(d), dtype="float32", device="cpu")
+    hf, model = sharp_llama(d, 11, **COMMON)
     return str(d), hf, model
 
 

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import self_distilled_data
+from tests.helpers import self_distilled_data, sharp_llama
 from verispec.drafters.dflash import DFlashConfig, DFlashModel, TargetParts
-from verispec.models.loader import load_model
 from verispec.train import checkpoint
 from verispec.train import dflash as tr
 from verispec.train.distributed import Dist
@@ -32,15 +31,8 @@ COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON)).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(4.0)
     root = tmp_path_factory.mktemp("ddp")
-    hf.save_pretrained(root / "target")
-    model, _ = load_model(str(root / "target"), dtype="float32", device="cpu")
+    hf, model = sharp_llama(root / "target", 3, **COMMON)
     (root / "data").mkdir()
     data = self_distilled_data(hf, model, root / "target", root / "data", 20, 6, seed=9, response=20)
     return {"root": root, "target": model, "data": data}

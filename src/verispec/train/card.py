@@ -49,7 +49,9 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
         "(tested); public prompt files are DeepSpec's eval prompt sets (MIT), used as inputs only.",
         f"- Data generation: {meta['generate_s'] / 60:.0f} min generating + {meta['capture_s'] / 60:.0f} min capturing "
         "hidden states, on the same machine while other jobs ran.",
-        f"- Training: {float(wall) / 60:.1f} min wall-clock on 2 shared CPU cores (budget-limited).",
+        f"- Training: {float(wall) / 60:.1f} min wall-clock on 2 shared CPU cores (budget-limited)"
+        + (f", {log['train_tokens_per_s']:.0f} trained positions per second of step time on "
+           f"{log.get('world_size', 1)} rank(s)." if log.get("train_tokens_per_s") else "."),
         "",
         "## Measured",
         "",

@@ -200,7 +200,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=32, help="sequences per shard")
     p.add_argument("--layers", default=None, help="comma list of target layers to capture (default: all drafters')")
     p.add_argument("--dtype", default="float32", help="the target's dtype while generating")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests generated at once")
+    p.add_argument("--max-num-seqs", type=int, default=48, help="requests generated at once (48: 106 vs 66 tok/s "
+                   "at 16 on a 2-core CPU, fp32)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts in all (quick runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--endpoint", default=None, help="take the responses from this OpenAI-compatible server of the "
