@@ -85,7 +85,7 @@ def test_each_step_equals_one_process_accumulating_both_ranks_micro_batches(setu
     model = DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32))
     model.load_state_dict(weights(dump, 0, 0), strict=False)
     tc = tr.TrainConfig(steps=STEPS, anchors_per_seq=4, seqs_per_step=2, accum=ACCUM)
-    usable = lambda r: r.length - 1 > max(r.prompt_len, 1)  # noqa: E731
+    usable = lambda r: tr.has_anchors(r.length, r.prompt_len)  # noqa: E731
     tasks = [tr.BlockTask(model, d.train, d.held, tc) for d in
              (rank_data(setup["data"], Dist(r, WORLD, torch.device("cpu")), cfg.feature_layers, tc.heldout_frac,
                         tc.seed, usable) for r in range(WORLD))]

@@ -319,7 +319,7 @@ class Eagle3Drafter:
             f"EAGLE-3 holds features for {self.n_feat} positions but the context has {len(context)} tokens")
         width = min(budget, TREE_TOPK)
         room = self.k.shape[0] - len(context)  # scratch K/V rows past the committed ones (one node per row)
-        depth = min(depth, budget, self.k.shape[0] - len(context), 1 + room // max(1, width))
+        depth = min(depth, budget, room, 1 + room // max(1, width))
         if depth <= 0 or self.n_feat == 0:
             return _Growth(self.n_kv, width)
         h = self._catch_up(context)  # [1, d]

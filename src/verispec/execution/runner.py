@@ -48,8 +48,7 @@ class BatchOutput:
         the given rows of the block (a tree's root and accepted path)."""
         r = self.rows[block]
         if rows is not None:
-            index = torch.tensor([r.start + i for i in rows], device=self.out.hidden[self.feature_layers[0]].device)
-            return select(self.out.hidden, self.feature_layers, index)
+            return select(self.out.hidden, self.feature_layers, torch.tensor([r.start + i for i in rows]))
         stop = r.stop if n is None else r.start + n
         return select(self.out.hidden, self.feature_layers, slice(r.start, stop))
 

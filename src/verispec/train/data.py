@@ -66,10 +66,41 @@ def collect_prompts(files: list[str], per_file: int | None, project: bool) -> li
     return prompts
 
 
-def _respond_local(llm, chunk: list[tuple[dict, str]], first: int, max_tokens: int, temperature: float,
-                   seed: int) -> list[list[int]]:
-    """The local engine's responses (token ids) to a chunk of (prompt, mode) jobs, all at once (batched)."""
+def _resume(out: Path, meta: dict) -> dict:
+    """The meta to extend: the directory's own when it holds data made with the same settings (refused when not),
+    else the fresh `meta`."""
+    if not (out / "meta.json").exists():
+        return meta
+    old = read_meta(out)
+    diff = [k for k in _FIXED if old.get(k, _DEFAULTS.get(k)) != meta[k]]
+    if diff:
+        raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
+                         "use another --out directory or delete it")
+    return {**old, "responder": meta["responder"], "part": meta["part"]}
+
+
+def _fitting(llm, prompts: list[dict], max_tokens: int) -> list[dict]:
+    """The prompts (with their token ids) that fit the model's length together with a response."""
+    fits = []
+    for p in prompts:
+        if "ids" in p:  # already token ids (models without a tokenizer)
+            ids = p["ids"]
+        else:
+            ids = llm.tokenizer(llm.apply_chat_template(p["messages"]), add_special_tokens=False)["input_ids"]
+        if len(ids) + max_tokens <= llm.max_model_len:
+            fits.append({**p, "ids": list(ids)})
+    return fits
+
+
+def _respond(llm, endpoint, chunk: list[tuple[dict, str]], first: int, max_tokens: int, temperature: float,
+             seed: int) -> list[list[int]]:
+    """The responses (token ids) to a chunk of (prompt, mode) jobs numbered from `first`: from the endpoint, or
+    from the local engine all at once (batched)."""
     from verispec.execution.sampling import SamplingParams
+
+    if endpoint is not None:
+        return endpoint.respond([(p["ids"], mode, job_seed(seed, first + j)) for j, (p, mode) in enumerate(chunk)],
+                                max_tokens, temperature)
 
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if mode == "greedy" else
               SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=job_seed(seed, first + j))
@@ -101,14 +132,7 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
         raise ValueError(f"layers {bad} are outside 0..{model.cfg.num_layers}")
     if not (0 <= part[0] < part[1]):
         raise ValueError(f"part {part[0]}/{part[1]}: needs 0 <= i < n")
-    fits = []
-    for p in prompts:  # prompts that cannot fit with their response are left out, and counted
-        if "ids" in p:  # already token ids (models without a tokenizer)
-            ids = p["ids"]
-        else:
-            ids = llm.tokenizer(llm.apply_chat_template(p["messages"]), add_special_tokens=False)["input_ids"]
-        if len(ids) + max_tokens <= llm.max_model_len:
-            fits.append({**p, "ids": list(ids)})
+    fits = _fitting(llm, prompts, max_tokens)
     skipped = len(prompts) - len(fits)
     jobs = [(p, m) for p in fits for m in modes]
     out = Path(out_dir)
@@ -119,13 +143,8 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
             "seed": seed, "jobs_total": len(jobs), "responder": endpoint.describe() if endpoint else "local",
             "part": list(part), "shards": [], "num_sequences": 0, "tokens": 0, "response_tokens": 0,
             "generate_s": 0.0, "capture_s": 0.0, "prompts_too_long": skipped}
-    if (out / "meta.json").exists():
-        old = read_meta(out)
-        diff = [k for k in _FIXED if old.get(k, _DEFAULTS.get(k)) != meta[k]]
-        if diff:
-            raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
-                             "use another --out directory or delete it")
-        meta = {**old, "responder": meta["responder"], "part": meta["part"]}
+    meta = _resume(out, meta)
+    retokenized = meta.get("retokenized_responses", 0)  # earlier sessions' (an endpoint counts its own)
     n_shards = (len(jobs) + shard_size - 1) // shard_size
     mine = [i for i in range(n_shards) if i % part[1] == part[0]]
     todo = [i for i in mine if i not in set(meta["shards"]) or not (out / shard_name(i)).exists()]
@@ -135,11 +154,7 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
     for i in todo:
         chunk = jobs[i * shard_size : (i + 1) * shard_size]
         t0 = time.perf_counter()
-        if endpoint is None:
-            responses = _respond_local(llm, chunk, i * shard_size, max_tokens, temperature, seed)
-        else:
-            responses = endpoint.respond([(p["ids"], mode, job_seed(seed, i * shard_size + j))
-                                          for j, (p, mode) in enumerate(chunk)], max_tokens, temperature)
+        responses = _respond(llm, endpoint, chunk, i * shard_size, max_tokens, temperature, seed)
         t1 = time.perf_counter()
         full = [p["ids"] + r for (p, _), r in zip(chunk, responses)]
         captured = capture_many(model, full, layers)
@@ -152,6 +167,8 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
         meta["response_tokens"] += sum(map(len, responses))
         meta["generate_s"] = round(meta["generate_s"] + t1 - t0, 1)
         meta["capture_s"] = round(meta["capture_s"] + time.perf_counter() - t1, 1)
+        if endpoint is not None and endpoint.retokenized:
+            meta["retokenized_responses"] = retokenized + endpoint.retokenized
         write_meta(out, meta)
         bar.update(len(chunk))
     bar.close()
@@ -246,10 +263,6 @@ def run(args: argparse.Namespace) -> dict:
         endpoint = Endpoint.connect(args.endpoint, args.served_model, tokenizer=llm.tokenizer,
                                     concurrency=args.concurrency)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    meta = generate_data(llm, args.out, prompts, sources=sources, modes=modes, max_tokens=args.max_tokens,
+    return generate_data(llm, args.out, prompts, sources=sources, modes=modes, max_tokens=args.max_tokens,
                          temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, layers=layers,
                          endpoint=endpoint, part=part)
-    if endpoint is not None and endpoint.retokenized:
-        meta["retokenized_responses"] = meta.get("retokenized_responses", 0) + endpoint.retokenized
-        write_meta(args.out, meta)
-    return meta

@@ -28,6 +28,7 @@ from verispec.train.calibrate import fit_position_temperatures, per_position_ece
 from verispec.train.distributed import Dist
 from verispec.train.loop import LoopConfig, train_loop
 from verispec.train.loop import add_args as loop_args
+from verispec.train import share
 from verispec.train.share import rank_data
 from verispec.train.shards import TrainSequence, read_meta, target_logits
 
@@ -80,6 +81,11 @@ class Batch:
 def anchor_range(seq: TrainSequence) -> range:
     """Anchors inside the response with at least one label after them (and at least one context position)."""
     return range(max(seq.prompt_len, 1), len(seq.ids) - 1)
+
+
+def has_anchors(length: int, prompt_len: int) -> bool:
+    """Whether a sequence of `length` tokens with this prompt has any anchor (`anchor_range` not empty)."""
+    return length - 1 > max(prompt_len, 1)
 
 
 def pick_anchors(seq: TrainSequence, n: int, gen: torch.Generator) -> list[int]:
@@ -151,12 +157,8 @@ def compute_loss(model: DFlashModel, b: Batch) -> tuple[torch.Tensor, dict[str, 
 
 
 def split(seqs: list[TrainSequence], frac: float, seed: int) -> tuple[list[TrainSequence], list[TrainSequence]]:
-    seqs = [s for s in seqs if len(anchor_range(s)) > 0]
-    if len(seqs) < 2:
-        raise ValueError(f"need at least 2 sequences with a response of >= 2 tokens, got {len(seqs)}")
-    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_held = min(len(seqs) - 1, max(1, round(frac * len(seqs))))
-    return [seqs[i] for i in order[n_held:]], [seqs[i] for i in order[:n_held]]
+    """The sequences with anchors, split as `verispec train dflash` splits the catalog (train/share.py)."""
+    return share.split([s for s in seqs if has_anchors(len(s.ids), s.prompt_len)], frac, seed)
 
 
 def fixed_batches(model: DFlashModel, seqs: list[TrainSequence], tc: TrainConfig, device) -> list[Batch]:
@@ -306,7 +308,7 @@ def run(args, method: str) -> dict:
                      eval_every=10 if args.quick else 50, save_every=args.save_every,
                      amp=parse_dtype(args.dtype) == torch.bfloat16)
     data = rank_data(args.data, dist, cfg.feature_layers, tc.heldout_frac, tc.seed,
-                     usable=lambda r: r.length - 1 > max(r.prompt_len, 1))
+                     usable=lambda r: has_anchors(r.length, r.prompt_len))
     task = BlockTask(model, data.train, data.held, tc)
     fingerprint = {"method": method, "data": str(Path(args.data).resolve()), "sequences": meta.get("num_sequences"),
                    "drafter": repr(cfg)}

@@ -121,6 +121,16 @@ def _start(task: Task, opt: torch.optim.Optimizer, gen: torch.Generator, dist: D
     return _Run(state.step, state.elapsed_s, state.log, time.monotonic())
 
 
+def _save(out, run: _Run, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, dist: Dist,
+          fingerprint: dict) -> None:
+    """A checkpoint of the run so far: every rank hands in its generator, rank 0 writes (nothing without `out`)."""
+    gens = dist.gather(gen.get_state())
+    if out is not None and dist.is_writer:
+        checkpoint.save(out, checkpoint.TrainState(run.step, run.spent + time.monotonic() - run.t0, model.state_dict(),
+                                                   opt.state_dict(), gens, run.log, dist.world, fingerprint))
+    dist.barrier()
+
+
 def _step(net: nn.Module, task: Task, gen: torch.Generator, cfg: LoopConfig, dist: Dist, amp) -> tuple[float, float]:
     """Forward and backward of this rank's accum micro-batches (DDP all-reduces the gradients on the last one);
     returns (mean loss, trained tokens) of this rank."""
@@ -155,15 +165,7 @@ def train_loop(task: Task, cfg: LoopConfig, dist: Dist, out: str | Path | None =
     net = nn.parallel.DistributedDataParallel(_Loss(task), device_ids=[dist.device.index] if dist.device.type ==
                                               "cuda" else None) if dist.active else _Loss(task)
     budget = cfg.max_minutes * 60 if cfg.max_minutes is not None else None
-
-    def save() -> None:
-        gens = dist.gather(gen.get_state())  # every rank takes part; rank 0 writes
-        if out is not None and dist.is_writer:
-            checkpoint.save(out, checkpoint.TrainState(run.step, run.spent + time.monotonic() - run.t0,
-                                                       model.state_dict(), opt.state_dict(), gens, run.log,
-                                                       dist.world, fingerprint))
-        dist.barrier()
-
+    save = lambda: _save(out, run, model, opt, gen, dist, fingerprint)  # noqa: E731
     bar = tqdm(total=cfg.steps, initial=run.step, disable=not (progress and dist.is_writer), desc=f"train {task.name}")
     model.train()
     while True:

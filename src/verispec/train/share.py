@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from safetensors import safe_open
 
 from verispec.train.distributed import Dist
 from verispec.train.shards import TrainSequence, read_meta, shard_name
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,9 @@ def load(data_dir: str | Path, refs: Sequence[SeqRef], layers: Sequence[int]) ->
     return out  # type: ignore[return-value]
 
 
-def split(refs: Sequence[SeqRef], frac: float, seed: int) -> tuple[list[SeqRef], list[SeqRef]]:
-    """(train, held-out): a seeded permutation, round(frac * n) held out (at least one of each)."""
+def split(refs: Sequence[T], frac: float, seed: int) -> tuple[list[T], list[T]]:
+    """(train, held-out) of sequences or their refs: a seeded permutation, round(frac * n) held out (at least one
+    of each)."""
     if len(refs) < 2:
         raise ValueError(f"need at least 2 usable sequences, got {len(refs)}; generate more with `verispec train data`")
     order = torch.randperm(len(refs), generator=torch.Generator().manual_seed(seed)).tolist()
