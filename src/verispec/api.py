@@ -162,7 +162,10 @@ class LLM:
 
     def _with_shipped_drafter(self, spec: Any) -> Any:
         """A learned method (eagle3 / dflash / dspark) given without a drafter gets the shipped drafter trained for
-        this target; for any other target that is an error asking for --draft-model."""
+        this target; for any other target that is an error asking for --draft-model. mtp reads the target's own
+        checkpoint."""
+        if isinstance(spec, Mapping) and spec.get("method") == "mtp" and not spec.get("model"):
+            return {**spec, "model": str(self.resolved.directory)}  # the target's own MTP layers
         if not isinstance(spec, Mapping) or spec.get("method") not in LEARNED_METHODS or spec.get("model"):
             return spec
         from verispec.drafters.shipped import shipped_card, shipped_for, shipped_names

@@ -39,6 +39,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = field(default=())
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    mtp_layers: int = 0  # native multi-token-prediction layers the checkpoint declares (num_nextn_predict_layers)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -68,6 +69,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type == "smollm2":
             model_type = "llama"
+        if model_type == "mimo":  # Xiaomi MiMo: a Qwen2 decoder (q/k/v bias) plus MTP layers (models/mtp_layout.py)
+            model_type = "qwen2"
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -119,6 +122,7 @@ class ModelConfig:
             sliding_layers=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
 
 
@@ -126,7 +130,8 @@ class ModelConfig:
 # CLI's --method choices and `bench single` read these.
 MODEL_FREE_METHODS = ("ngram", "suffix")  # drafting from the request's own tokens (and earlier outputs)
 LEARNED_METHODS = ("eagle3", "dflash", "dspark")  # trained heads reading the target's hidden states
-SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS)
+NATIVE_METHODS = ("mtp",)  # drafting layers the target's own checkpoint ships (drafters/mtp.py)
+SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
 TREE_METHODS = ("ngram", "suffix", "eagle3")  # the drafters with a propose_tree
 
 
@@ -136,7 +141,9 @@ class SpeculativeConfig:
 
     method: str = "none"
     num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model (draft_model) or the trained drafter's directory (eagle3/dflash/dspark)
+    # the draft model (draft_model), the trained drafter's directory (eagle3/dflash/dspark) or the checkpoint whose
+    # MTP layers draft (mtp; LLM fills in the target's own directory)
+    model: str | None = None
     draft_dtype: str | None = None  # default: the target's dtype
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -155,6 +162,9 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be an integer in 1..64")
         if self.method == "draft_model" and not self.model:
             raise ValueError("method draft_model needs a draft model: speculative_config['model'] / --draft-model")
+        if self.method in NATIVE_METHODS and not self.model:
+            raise ValueError("method mtp drafts with the target checkpoint's own MTP layers: speculative_config"
+                             "['model'] = the target's directory (LLM fills it in)")
         if self.method in LEARNED_METHODS and not self.model:
             raise ValueError(f"method {self.method} needs a trained drafter: speculative_config['model'] = its "
                              f"directory (--draft-model), or a shipped one (`verispec drafters list`; picked by "

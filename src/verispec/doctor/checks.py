@@ -143,6 +143,24 @@ def config_fields(raw: Mapping[str, Any], kind: str) -> Check:
     return passed(name, f"{kind} layout: all {len(raw)} top-level fields known, none missing")
 
 
+def mtp_layout(cfg: Mapping[str, Any], names: set[str]) -> Check:
+    """The target checkpoint's own MTP layers (`--method mtp`): a known layout, the declared layer count, every
+    tensor present and a block verispec runs (models/mtp_layout.py)."""
+    from verispec.models.mtp_layout import MTPLayoutError, detect, problems
+
+    name = "drafter architecture"
+    try:
+        layout, count = detect(cfg, names)
+    except MTPLayoutError as e:
+        return failed(name, "MTP layers of the target checkpoint", str(e))
+    bad = problems(layout, names, int(cfg["num_hidden_layers"]), count)
+    if bad:
+        return failed(name, f"MTP layout {layout.name}", "; ".join(bad))
+    fed = "after" if layout.target_post_norm else "before"
+    return passed(name, f"MTP layout {layout.name}: {count} layer(s), Llama-family block; reads the target's last "
+                        f"layer {fed} its final norm")
+
+
 # ---- the speculative method ---------------------------------------------------------------------------------------
 def method_link(method: str, kind: str | None) -> Check:
     """The method exists, has a drafter constructor and (learned) a loader for this checkpoint kind."""
@@ -156,7 +174,8 @@ def method_link(method: str, kind: str | None) -> Check:
         if kind not in METHOD_KINDS[method]:
             return failed(name, method, f"a {kind} checkpoint cannot run as {method}")
         return passed(name, f"{method}: drafter {ctor}, loader {LEARNED_LOADERS[method].__name__}")
-    kinds = "model-free" if method in MODEL_FREE_METHODS else "no learned checkpoint"
+    kinds = ("model-free" if method in MODEL_FREE_METHODS else "the target checkpoint's own MTP layers"
+             if method == "mtp" else "no learned checkpoint")
     return passed(name, f"{method} ({kinds}): drafter {ctor}")
 
 

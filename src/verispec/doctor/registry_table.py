@@ -9,7 +9,11 @@ Documented, versioned table. The vLLM and SGLang names were read (2026-11-30) fr
          llama_eagle3.py LlamaForCausalLMEagle3, llama_eagle.py LlamaForCausalLMEagle, deepseek_nextn.py
          DeepseekV3ForCausalLMNextN, dflash.py DFlashDraftModel (commit 003b23d7388eabdfbfecd2610c7e228f9f6a2734),
          dspark.py Qwen3DSparkModel (commit 01f476234ab4ee99c7fb7cb31b68d31b6a7c54a8; its DSparkDraftModel class
-         is a base, not an EntryClass, so "DSparkDraftModel" itself is not a registered architecture there).
+         is a base, not an EntryClass, so "DSparkDraftModel" itself is not a registered architecture there),
+         mimo.py MiMoForCausalLM (commit 14de7d3ba077bbed34a4b0f79202cd24faba592e).
+  MTP    vLLM's registry entries "MiMoMTPModel" (mimo_mtp.MiMoMTP) and "DeepSeekMTPModel" (deepseek_mtp.DeepSeekMTP)
+         as registry.py lists them; Qwen3NextMTP is the class name read from qwen3_next_mtp.py. verispec's MTP
+         drafter runs these layouts with a Llama-family block (models/mtp_layout.py).
 A name absent from an engine's table is None: that engine would refuse the checkpoint.
 """
 
@@ -43,6 +47,8 @@ _ROUTES = (
           "Qwen2ForCausalLM"),
     Route("Qwen3ForCausalLM", "target", "verispec.models.llama.LlamaModel[qwen3]", "qwen3.Qwen3ForCausalLM",
           "Qwen3ForCausalLM"),
+    Route("MiMoForCausalLM", "target", "verispec.models.llama.LlamaModel[qwen2]", "mimo.MiMoForCausalLM",
+          "MiMoForCausalLM", "a Qwen2 decoder whose checkpoint also ships MTP layers (model.mtp_layers.*): --method mtp"),
     # drafters
     Route("VerispecEagle3Head", "eagle3", "verispec.drafters.eagle3.Eagle3Head", None, None,
           "verispec's training layout; `verispec train export-eagle3` writes the LlamaForCausalLMEagle3 layout"),
@@ -59,15 +65,20 @@ _ROUTES = (
     Route("DSparkDraftModel", "dspark", "verispec.drafters.dflash_model.DFlashModel[dspark]", None, None,
           "SGLang registers DSpark as Qwen3DSparkModel"),
     Route("Qwen3DSparkModel", "dspark", None, None, "Qwen3DSparkModel"),
-    Route("DeepSeekMTPModel", "mtp", None, "deepseek_mtp.DeepSeekMTP", None, "MTP: verispec has no MTP drafter"),
-    Route("DeepseekV3ForCausalLMNextN", "mtp", None, None, "DeepseekV3ForCausalLMNextN",
-          "MTP: verispec has no MTP drafter"),
+    Route("DeepSeekMTPModel", "mtp", "verispec.drafters.mtp.MTPHead[deepseek_v3]", "deepseek_mtp.DeepSeekMTP", None,
+          "verispec runs the layout with a Llama-family block; DeepSeek-V3's own (MLA + MoE) is refused"),
+    Route("DeepseekV3ForCausalLMNextN", "mtp", "verispec.drafters.mtp.MTPHead[deepseek_v3]", None,
+          "DeepseekV3ForCausalLMNextN",
+          "verispec runs the layout with a Llama-family block; DeepSeek-V3's own (MLA + MoE) is refused"),
+    Route("MiMoMTPModel", "mtp", "verispec.drafters.mtp.MTPHead[mimo]", "mimo_mtp.MiMoMTP", None),
+    Route("Qwen3NextMTP", "mtp", "verispec.drafters.mtp.MTPHead[qwen3_next]", "qwen3_next_mtp.Qwen3NextMTP", None,
+          "vLLM's class as read from qwen3_next_mtp.py; Qwen3-Next's own block (gated attention, MoE) is refused"),
 )
 ROUTES: dict[str, Route] = {r.architecture: r for r in _ROUTES}
 
 # the model_type each target architecture implies (HF's class <-> model_type pairing)
 TARGET_MODEL_TYPES = {"LlamaForCausalLM": ("llama", "smollm2"), "MistralForCausalLM": ("mistral",),
-                      "Qwen2ForCausalLM": ("qwen2",), "Qwen3ForCausalLM": ("qwen3",)}
+                      "Qwen2ForCausalLM": ("qwen2",), "Qwen3ForCausalLM": ("qwen3",), "MiMoForCausalLM": ("mimo",)}
 # the drafter kind each learned method loads
 METHOD_KINDS = {"eagle3": ("eagle3", "eagle3-export"), "dflash": ("dflash",), "dspark": ("dspark",)}
 

@@ -80,6 +80,14 @@ def _drafter_dir(ctx: Ctx) -> Path:
 
 def _drafter(ctx: Ctx) -> list[C.Check]:
     o = ctx.opts
+    if o.method == "mtp":  # the target's own checkpoint drafts
+        from safetensors import safe_open
+
+        names: set[str] = set()
+        for f in sorted(ctx.resolved.directory.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as sf:
+                names.update(sf.keys())
+        return [C.mtp_layout(ctx.target_cfg, names)]
     if o.method not in LEARNED_METHODS:
         if o.method == "draft_model":
             from verispec.models.loader import read_config, resolve
@@ -135,6 +143,9 @@ def _interface(ctx: Ctx) -> list[C.Check]:
         d = ModelConfig.from_hf(ctx.raw)
         f = I.DrafterFacts((), ctx.target.hidden_size, d.vocab_size, ctx.target.head_dim)
         return [I.vocabulary(f, ctx.target), I.tokenizer(target_vocab, _vocab_of(ctx.drafter_dir))]
+    if ctx.opts.method == "mtp":
+        return [C.passed("hidden-state interface", f"mtp reads the target's own last layer (layer "
+                                                   f"{ctx.target.num_layers}), shapes from the same checkpoint")]
     if ctx.kind is None:
         return [C.passed("hidden-state interface", f"{ctx.opts.method} reads no hidden states")]
     f = I.facts(ctx.raw, ctx.kind)

@@ -25,11 +25,18 @@ class DrafterFactory:
         self.draft_model = None
         self.draft_cache = None
         self.suffix_cache = None
-        self.learned = None  # a trained EAGLE-3 / DFlash / DSpark drafter module
+        self.learned = None  # a trained EAGLE-3 / DFlash / DSpark drafter module, or the target's MTP layers
+        self.mtp_cache = None
         self.max_len = max_len
         if cfg.method in LEARNED_METHODS:
             assert target is not None
             self.learned = load_learned(cfg.method, cfg.model, target)  # type: ignore[arg-type]
+        if cfg.method == "mtp":
+            from verispec.drafters.mtp import load as load_mtp
+
+            assert target is not None
+            self.learned = load_mtp(cfg.model, target)  # type: ignore[arg-type]
+            self.mtp_cache = self.learned.new_cache(min(max_len, target.max_positions), num_slots)
         if cfg.method == "draft_model":
             from verispec.drafters.draft_model import check_compatible
             from verispec.models.loader import load_model, load_tokenizer
@@ -101,6 +108,12 @@ def _block(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafte
     return DFlashDrafter(f.learned, params)  # type: ignore[arg-type]
 
 
+def _mtp(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.mtp import MTPDrafter
+
+    return MTPDrafter(f.learned, f.mtp_cache, params)  # type: ignore[arg-type]
+
+
 # method -> the per-request drafter (or None: plain decoding)
 DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | None]] = {
     "none": _no_drafter,
@@ -110,6 +123,7 @@ DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | No
     "eagle3": _eagle3,
     "dflash": _block,
     "dspark": _block,  # DFlash's block drafter with DSpark's Markov and confidence heads
+    "mtp": _mtp,  # the target checkpoint's own MTP layers
 }
 assert tuple(DRAFTERS) == SPEC_METHODS, "every speculative method needs a drafter constructor"
 

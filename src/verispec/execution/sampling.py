@@ -74,7 +74,7 @@ class SamplingParams:
 
 # The offset of each sampler's stream from the request's seed: the target's sampler and verifier, and each drafter
 # that samples (DSpark uses DFlash's drafter). Fixed: changing one changes every seeded sampled output.
-GENERATOR_STREAMS = {"target": 0, "draft_model": 1, "dflash": 1, "eagle3": 2}
+GENERATOR_STREAMS = {"target": 0, "draft_model": 1, "dflash": 1, "eagle3": 2, "mtp": 3}
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

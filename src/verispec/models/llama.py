@@ -28,6 +28,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.models.attention import AttentionPlan, CacheShape, attend_group, plan_attention
+from verispec.models.mtp_layout import is_mtp_tensor
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.models.tree import depths
 from verispec.state.kv_cache import KVCache
@@ -205,7 +206,6 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.set_rope_length(rope_len or cfg.max_position_embeddings)
-        self._windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}  # None = full attention
         # True: every query position attends with shapes of its own (models/attention.py, per-query path), so a
         # token's logits do not depend on the block it is verified in or on the other requests of the forward when
         # the linears are batch-invariant too
@@ -323,19 +323,9 @@ class LlamaModel(nn.Module):
             raise
 
     def _context(self, segments: Sequence[Segment], cache: Cache) -> AttentionContext:
-        """The RoPE rows of the segments' N positions, the attention plan per window size (over the block tables
-        of a paged cache) and the cache, shared by all layers."""
-        cos, sin = self._rope_rows(segments)
-        c = self.cfg
-        paged = isinstance(cache, PagedKVCache)
-        shape = CacheShape(c.num_heads, c.num_kv_heads, c.head_dim, cache.span, cache.k[0].dtype, self.device,
-                           cache.block_size if paged else None)  # type: ignore[union-attr]
-        tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
-        plans = {w: plan_attention(segments, w, self.batch_invariant, shape, tables) for w in self._windows}
-        rows = None if len(segments) == 1 else cache.kv_rows(segments, self.device)
-        return AttentionContext(cos, sin, tuple(segments), plans, cache, self.batch_invariant, rows)
+        return attention_context(self.cfg, segments, cache, self.rope_rows(segments), self.batch_invariant)
 
-    def _rope_rows(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin: [N, 1, head_dim] in the model's dtype for the segments' positions (a view of the
         tables for one segment)."""
         cos, sin = self._rope_tables()
@@ -370,6 +360,27 @@ class LlamaModel(nn.Module):
         return F.linear(sel, self.output_weight()).float(), last  # [M, vocab]
 
 
+def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cache,
+                      rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = False) -> AttentionContext:
+    """What the layers of `cfg` read in one forward over `segments`: the RoPE rows (cos, sin [N, 1, hd]), the
+    attention plan per window size (over the block tables of a paged cache) and the cache. The target's forward
+    and a drafter running decoder layers of its own (drafters/mtp.py) build it alike."""
+    cos, sin = rope
+    paged = isinstance(cache, PagedKVCache)
+    shape = CacheShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.span, cache.k[0].dtype, cos.device,
+                       cache.block_size if paged else None)  # type: ignore[union-attr]
+    tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
+    plans = {w: plan_attention(segments, w, batch_invariant, shape, tables) for w in _windows(cfg)}
+    rows = None if len(segments) == 1 else cache.kv_rows(segments, cos.device)
+    return AttentionContext(cos, sin, tuple(segments), plans, cache, batch_invariant, rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _windows(cfg: ModelConfig) -> frozenset[int | None]:
+    """The attention window sizes of `cfg`'s layers (None = full attention)."""
+    return frozenset(cfg.layer_window(i) for i in range(cfg.num_layers))
+
+
 # ---- weights --------------------------------------------------------------------------------------
 def load_hf_state_dict(model: LlamaModel, sd: Mapping[str, torch.Tensor]) -> None:
     """Copy weights named as in HF transformers' LlamaForCausalLM / Qwen2 / Qwen3 / Mistral into `model`."""
@@ -387,8 +398,10 @@ def load_hf_state_dict(model: LlamaModel, sd: Mapping[str, torch.Tensor]) -> Non
     if model.lm_head is not None:
         _put(model.lm_head, get("lm_head.weight"))
     for i, layer in enumerate(model.layers):
-        _load_layer(layer, f"model.layers.{i}.", get)
-    ignored = [k for k in sd if k not in used and "rotary_emb" not in k]
+        load_layer(layer, f"model.layers.{i}.", get)
+    c = model.cfg
+    ignored = [k for k in sd if k not in used and "rotary_emb" not in k
+               and not is_mtp_tensor(k, c.num_layers, c.mtp_layers)]  # MTP layers: a drafter's (drafters/mtp.py)
     if model.lm_head is None:
         ignored = [k for k in ignored if k != "lm_head.weight"]
     if ignored:
@@ -404,7 +417,7 @@ def _put(param: torch.Tensor | None, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
-def _load_layer(layer: Layer, p: str, get: Callable[[str], torch.Tensor]) -> None:
+def load_layer(layer: Layer, p: str, get: Callable[[str], torch.Tensor]) -> None:
     """Fill one layer from HF's `model.layers.{i}.` tensors: q/k/v and gate/up fused in that order."""
     a, m = p + "self_attn.", p + "mlp."
     _put(layer.attn_norm, get(p + "input_layernorm.weight"))
