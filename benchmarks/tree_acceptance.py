@@ -8,7 +8,8 @@ Conditions (MEASURE.md):
     draft holds. So every step is simulated on the recorded continuation: a chain of k tokens (`propose`) against
     a tree of at most k nodes and depth k (`propose_tree`: for ngram the recent earlier occurrences of the tail
     weighed by agreement, for suffix the most probable nodes of its tries, for eagle3 EAGLE-2's dynamic tree by
-    the head's cumulative draft probability, fed the target's features of the committed positions from one
+    the head's cumulative draft probability, for dflash / dspark the most probable paths through each block
+    position's top-4 (DSpark's corrected by its Markov head per node), the learned ones fed the target's features of the committed positions from one
     from-scratch forward over the recorded sequence, as the engine feeds them from its verify forwards). Both verify at most k + 1 positions
     per step; the mean verified positions are reported beside tau. Suffix drafters of one workload share a cache
     that holds the earlier prompts' outputs, chains and trees each their own.
@@ -17,6 +18,7 @@ Conditions (MEASURE.md):
 
     python benchmarks/tree_acceptance.py --limit 8 --max-tokens 128 --k 2,4,8 --drafters ngram,suffix
     python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3
+    python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,7 --drafters dflash,dspark
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.drafters.dflash import DFlashDrafter
+from verispec.drafters.dflash import load as load_block
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.eagle3 import load as load_head
 from verispec.drafters.features import capture_forward, select
@@ -49,7 +53,8 @@ def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats
     while t < len(out):
         context = prompt + out[:t]
         if feats is not None:  # a learned drafter: the target's features of every committed position but the last
-            drafter.add_features(feats[drafter.n_feat : len(context) - 1])
+            fed = drafter.n if isinstance(drafter, DFlashDrafter) else drafter.n_feat
+            drafter.add_features(feats[fed : len(context) - 1])
         d = drafter.propose_tree(context, k, k) if tree else TreeDraft.chain(drafter.propose(context, k).tokens)
         rows = [t + r for r in depths(d.parents)]  # [N + 1] position in `out` each query row predicts
         logits = torch.zeros(len(rows), max(end[: t + k + 1] + list(d.tokens)) + 1)
@@ -64,11 +69,16 @@ def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats
     return len(out), steps, verified
 
 
+LEARNED = ("eagle3", "dflash", "dspark")
+
+
 def new_drafter(name: str, cache: SuffixCache, head=None):
     """A fresh per-request drafter; suffix drafters of one workload share `cache`, in which each replayed request's
     output is left when it ends (as the engine does on release), so later prompts draw on earlier outputs."""
     if name == "eagle3":
         return Eagle3Drafter(head, SamplingParams(temperature=0), max_len=4096)
+    if name in LEARNED:
+        return DFlashDrafter(head, SamplingParams(temperature=0))
     return NgramDrafter() if name == "ngram" else SuffixDrafter(cache)
 
 
@@ -79,8 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", default="2,4,8", help="draft positions per step (chain length = tree node budget)")
-    ap.add_argument("--drafters", default="ngram,suffix", help="ngram, suffix and / or eagle3")
-    ap.add_argument("--eagle3", default="smollm2-135m-instruct-eagle3", help="the EAGLE-3 head (shipped name or dir)")
+    ap.add_argument("--drafters", default="ngram,suffix", help="ngram, suffix, eagle3, dflash and / or dspark")
+    for m in LEARNED:
+        ap.add_argument(f"--{m}", default=f"smollm2-135m-instruct-{m}", help=f"the {m} drafter (shipped name or dir)")
     args = ap.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
     ks = [int(k) for k in args.k.split(",")]
@@ -95,20 +106,22 @@ def main(argv=None) -> int:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                             SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
         runs[w] = [(ids, list(o.token_ids)) for ids, o in zip(prompts, outs)]
-    head = None
-    if "eagle3" in args.drafters.split(","):
-        head = load_head(resolve(args.eagle3), llm.model)
-    feats = {}  # the target's features along each recorded sequence, from one from-scratch forward
-    for w, items in runs.items():
-        for ids, out in items:
-            if head is not None:
-                feats[(w, len(ids), tuple(out))] = select(capture_forward(llm.model, ids + out, head.feature_layers)
-                                                          .hidden, head.feature_layers)
+    heads = {}  # learned drafter -> its module; features along each recorded sequence from one forward
+    for name in (n for n in args.drafters.split(",") if n in LEARNED):
+        path = resolve(getattr(args, name))
+        heads[name] = load_head(path, llm.model) if name == "eagle3" else load_block(path, llm.model)
+    feats = {}
+    for name, head in heads.items():
+        for w, items in runs.items():
+            for ids, out in items:
+                layers = head.feature_layers if name == "eagle3" else head.cfg.feature_layers
+                feats[(name, w, len(ids), tuple(out))] = select(capture_forward(llm.model, ids + out, layers).hidden,
+                                                                layers)
     for name in args.drafters.split(","):
         for w, items in runs.items():
             for k in ks:
-                res = {tree: [replay(new_drafter(name, shared[tree], head), ids, out, k, tree,
-                                     feats.get((w, len(ids), tuple(out))) if name == "eagle3" else None)
+                res = {tree: [replay(new_drafter(name, shared[tree], heads.get(name)), ids, out, k, tree,
+                                     feats.get((name, w, len(ids), tuple(out))))
                               for ids, out in items]
                        for shared in [{False: SuffixCache(), True: SuffixCache()}] for tree in (False, True)}
                 tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}

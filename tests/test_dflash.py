@@ -373,3 +373,218 @@ def test_engine_preemption_makes_a_new_drafter_that_gets_every_feature_again(tra
                         [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
     assert llm.engine.num_preemptions > 0
+
+
+# ---------------------------------------------------------------- draft trees
+
+
+def _tree_paths(tree) -> set[tuple[int, ...]]:
+    out = set()
+    for i in range(len(tree.tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
+def test_tree_is_the_most_probable_paths_scored_independently(trained, tiny, method):
+    """Every path of up to `depth` tokens through each position's top-4 is scored here from the block's logits
+    (DSpark: the Markov head's decode, teacher-forced on the path); the tree must be the `budget` best of them."""
+    from verispec.drafters.dflash import TREE_TOPK
+
+    import copy
+
+    m = _with_selector(new_model(tiny[2])) if method == "dflash2" else copy.deepcopy(trained[method][0])
+    if m.markov is not None:  # a strong Markov correction, so a tree that ignored it would pick other paths
+        with torch.no_grad():
+            m.markov.w2.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(8))
+    feats = torch.randn(7, len(m.cfg.feature_layers) * 32, generator=torch.Generator().manual_seed(4))
+    ctx = [5, 6, 7, 8, 9, 10, 11, 12]
+    budget, depth = 7, 3
+    d = DFlashDrafter(m, GREEDY)
+    d.add_features(feats)
+    h, U = d.block(ctx[-1], 7)
+
+    def logp(path: tuple[int, ...]) -> torch.Tensor:  # [V] log-probabilities of the token after ctx + path
+        if m.selector is not None:  # the selector's step over the candidates, times DFlash's mass on them
+            cand, z = _reference_steps(m, ctx[-1], U, h, list(path) + [0])[len(path)]
+            lq = torch.log_softmax(U[len(path)].float(), -1)
+            out = torch.full((lq.shape[0],), float("-inf"))
+            out[cand] = torch.log_softmax(z, -1) + torch.logsumexp(lq[cand], -1)
+            return out
+        if m.markov is None:
+            return torch.log_softmax(U[len(path)].float(), -1)
+        forced = list(path) + [0]
+        _, z, _ = m.markov.decode(U[None, : len(path) + 1], h[None, 1 : len(path) + 2], torch.tensor([ctx[-1]]),
+                                  lambda zz, k: torch.tensor([forced[k]]))
+        return torch.log_softmax(z[0, len(path)], -1)
+
+    scores: dict[tuple[int, ...], float] = {}
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(depth):
+        new = []
+        for par in frontier:
+            vals, idx = logp(par).topk(TREE_TOPK)
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                scores[par + (t,)] = scores.get(par, 0.0) + v
+                new.append(par + (t,))
+        frontier = new
+    want = set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:budget])
+    tree = d.propose_tree(ctx, budget, depth)
+    assert _tree_paths(tree) == want and len(tree.tokens) == budget
+    assert max(map(len, want)) > 1 and len({p[0] for p in want}) > 1  # a real tree: deep and branching
+    greedy = tuple(d.propose(ctx, depth).tokens)
+    assert greedy[:1] in want  # the chain's first token is the tree's best root child
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_engine_tree_drafting_equals_hf_with_state_oracle(trained, tiny, tmp_path, method):
+    """draft_tree on: greedy output equals HF's, the state oracle passes after every step (the accepted path's
+    features are the ones handed on), and drafts get accepted."""
+    from verispec import LLM, SamplingParams
+
+    path, hf, _ = tiny
+    m, _ = trained[method]
+    m.save_pretrained(tmp_path / "ck")
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2, check_state=True,
+              max_num_batched_tokens=16, scheduler="static", progress=False,
+              speculative_config={"method": method, "model": str(tmp_path / "ck"), "num_speculative_tokens": 6,
+                                  "draft_tree": True})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == hf_greedy(hf, p, 20)
+        assert o.stats["drafter_error"] is None
+    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0
+    assert llm.engine.kv_tokens() == 0
+
+
+# ---------------------------------------------------------------- DFlash 2's path selector
+
+
+def _with_selector(m, seed: int = 0, strength: float = 0.5):
+    """A copy of the trained DFlash drafter with a random (non-trivial) path selector attached."""
+    import copy
+
+    from verispec.drafters.path_selector import PathSelector, SelectorConfig
+
+    m = copy.deepcopy(m)
+    torch.manual_seed(seed)
+    sel = PathSelector(SelectorConfig(32, 64, m.cfg.block_size - 1, top_m=6, rank=8))
+    with torch.no_grad():
+        for w in (sel.w_c, sel.w_h, sel.w_l, sel.w_r):
+            w.weight.normal_(0.0, strength)
+        sel.tap.normal_(0.0, 0.5)
+        sel.alpha.uniform_(0.05, 0.2)  # DFlash's own log-probabilities weigh little: the re-ranking shows
+    m.selector = sel.eval()
+    return m
+
+
+@torch.no_grad()
+def _reference_steps(m, anchor: int, U: torch.Tensor, h: torch.Tensor, path: list[int]) -> list[torch.Tensor]:
+    """The selector's step logits over each position's top-m, teacher-forced on `path`, written out from the
+    definitions: a_k log q_k(c) + (W_c e_c).(W_h (h_k + t h_{k-1})) + (W_l e_prev).(W_r e_c) / sqrt(r)."""
+    sel, E = m.selector, m.parts.embed.float()
+    out = []
+    U, h = U.clone(), h.clone()  # out of inference mode
+    for k, _ in enumerate(path):
+        lq = torch.log_softmax(U[k].float(), -1)
+        vals, cand = lq.topk(sel.cfg.top_m)
+        hk = h[k + 1] + (sel.tap * h[k] if k > 0 else 0.0)
+        prev = anchor if k == 0 else path[k - 1]
+        z = [sel.alpha[k] * vals[j] + (sel.w_c.weight @ E[c]) @ (sel.w_h.weight @ hk)
+             + (sel.w_l.weight @ E[prev]) @ (sel.w_r.weight @ E[c]) / sel.cfg.rank ** 0.5 for j, c in enumerate(cand)]
+        out.append((cand, torch.stack(z).detach()))
+    return out
+
+
+
+def test_selector_walk_follows_its_definition(tiny):
+    m = _with_selector(new_model(tiny[2]))  # an untrained DFlash: flat enough for the selector to re-rank
+    d = DFlashDrafter(m, GREEDY)
+    d.add_features(torch.randn(7, len(m.cfg.feature_layers) * 32, generator=torch.Generator().manual_seed(2)))
+    ctx = [5, 6, 7, 8, 9, 10, 11, 12]
+    draft = d.propose(ctx, 5)
+    h, U = d.block(ctx[-1], 7)
+    for k, (cand, z) in enumerate(_reference_steps(m, ctx[-1], U, h, draft.tokens)):
+        assert draft.tokens[k] == int(cand[z.argmax()]), f"position {k + 1}"
+    plain = [int(t) for t in U[:5].argmax(-1)]
+    assert draft.tokens != plain, "a strong selector should leave DFlash's per-position argmax somewhere"
+    sampled = DFlashDrafter(m, SamplingParams(temperature=0.7, seed=3))
+    sampled.add_features(torch.randn(7, len(m.cfg.feature_layers) * 32, generator=torch.Generator().manual_seed(2)))
+    s = sampled.propose(ctx, 5)
+    for k, (cand, z) in enumerate(_reference_steps(m, ctx[-1], U, h, s.tokens)):
+        q = torch.zeros(64)
+        q[cand] = torch.softmax(z / 0.7, -1)
+        assert torch.allclose(s.probs[k], q, atol=1e-5) and s.probs[k, s.tokens[k]] > 0
+
+
+def test_selector_training_lowers_its_loss_and_round_trips(trained, tiny, data_dir, tmp_path):
+    from verispec.train.selector import train_selector
+
+    m, _ = trained["dflash"]
+    seqs = load_all(data_dir)
+    tc = tr.TrainConfig(steps=120, lr=1e-2, warmup=5, eval_every=60, seqs_per_step=4)
+    sel, log = train_selector(m, seqs, tc, top_m=6, rank=8, batch=64, anchors_per_seq=16, progress=False)
+    first, last = sum(log["loss"][:20]) / 20, sum(log["loss"][-20:]) / 20
+    assert last < 0.9 * first, (first, last)
+    assert set(log["heldout"][-1]) >= {"acc", "base_acc", "run", "base_run"}
+    import copy
+
+    from verispec.drafters.dflash import load
+
+    mm = copy.deepcopy(m)
+    mm.selector = sel
+    mm.save_pretrained(tmp_path / "ck")
+    back = load(tmp_path / "ck", tiny[2])
+    assert back.selector is not None and all(torch.equal(a, b) for a, b in zip(
+        back.selector.state_dict().values(), sel.state_dict().values()))
+    m.save_pretrained(tmp_path / "plain")  # a drafter without a selector writes none and loads none
+    assert load(tmp_path / "plain", tiny[2]).selector is None
+    dspark, _ = trained["dspark"]
+    dspark.save_pretrained(tmp_path / "dspark")
+    sel.save(tmp_path / "dspark")
+    with pytest.raises(ValueError, match="path selector"):
+        load(tmp_path / "dspark", tiny[2])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_engine_with_selector_equals_hf_with_state_oracle(trained, tiny, tmp_path, tree):
+    """DFlash 2 in the engine (chains and trees), loaded from a checkpoint with its selector: greedy output equals
+    HF's, state oracle after every step."""
+    from verispec import LLM, SamplingParams
+
+    path, hf, _ = tiny
+    m = _with_selector(trained["dflash"][0], strength=0.2)
+    m.save_pretrained(tmp_path / "ck")
+    prompts = [[1, 2, 3, 4, 5], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2, check_state=True,
+              max_num_batched_tokens=16, scheduler="static", progress=False,
+              speculative_config={"method": "dflash", "model": str(tmp_path / "ck"), "num_speculative_tokens": 5,
+                                  "draft_tree": tree})
+    assert llm.drafters.learned.selector is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2, use_tqdm=False)
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == hf_greedy(hf, p, 16) and o.stats["drafter_error"] is None
+    assert llm.engine.kv_tokens() == 0
+
+
+def test_selector_cli_writes_the_drafter_with_its_selector(trained, tiny, data_dir, tmp_path):
+    """`verispec train selector`: the DFlash checkpoint copied with the selector beside it, which then loads."""
+    from verispec.cli import main
+
+    m, _ = trained["dflash"]
+    m.save_pretrained(tmp_path / "dflash")
+    rc = main(["train", "selector", "--drafter", str(tmp_path / "dflash"), "--data", str(data_dir), "--out",
+               str(tmp_path / "dflash2"), "--model", tiny[0], "--steps", "3", "--top-m", "4", "--rank", "4",
+               "--batch", "16", "--anchors-per-seq", "4"])
+    assert rc == 0
+    back = load(tmp_path / "dflash2", tiny[2])
+    assert back.selector is not None and back.selector.cfg.top_m == 4
+    assert json.loads((tmp_path / "dflash2" / "path_selector.json").read_text())["heldout"]["step"] == 3
+    assert load(tmp_path / "dflash", tiny[2]).selector is None  # the source stays as it was

@@ -132,7 +132,7 @@ MODEL_FREE_METHODS = ("ngram", "suffix")  # drafting from the request's own toke
 LEARNED_METHODS = ("eagle3", "dflash", "dspark")  # trained heads reading the target's hidden states
 NATIVE_METHODS = ("mtp",)  # drafting layers the target's own checkpoint ships (drafters/mtp.py)
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
-TREE_METHODS = ("ngram", "suffix", "eagle3")  # the drafters with a propose_tree
+TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark")  # the drafters with a propose_tree
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,21 @@ len(context) - 1 cached context positions; returns min(k, B - 1) tokens.
            sampler), returned as Draft.probs [g, V] for the rejection sampler; DSpark's q_k is conditioned on
            the token drawn at k - 1.
   DSpark also returns the calibrated per-position confidences c_1..c_g.
+
+propose_tree(context, budget, depth): the same block forward, then a tree of the `budget` most probable paths
+(cumulative draft log-probability, EAGLE-2's selection), grown best first: a node's children are the TREE_TOPK
+most probable tokens of the next block position. DFlash's block positions are drafted in parallel, so every node
+of one depth draws from the same distribution; DSpark's Markov head corrects it by the node's own token
+(U_k + B(token of the parent)), one small head call per expanded node; with DFlash 2's path selector a node's
+children are the best of the position's top-m candidates given the node's token.
+
+With a path selector (DFlash only, drafters/path_selector.py) propose() walks the selector's lattice instead of
+taking each position's argmax / draw.
 """
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 from typing import Sequence
 
@@ -25,7 +36,11 @@ import torch
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
 from verispec.drafters.dspark_head import calibrated_confidence
+from verispec.drafters.path_selector import walk
 from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.models.tree import TreeDraft
+
+TREE_TOPK = 4  # children considered per expanded node
 
 
 def load(path: str | Path, target) -> DFlashModel:
@@ -129,6 +144,8 @@ class DFlashDrafter:
         g = min(k, B - 1)
         h, U = self.block(int(context[-1]), n)  # [B, d], [B - 1, V]
         p = self.params
+        if self.model.selector is not None:
+            return self._select(U, h, int(context[-1]), g)
         if self.model.markov is None:
             if p.greedy:
                 return Draft(U[:g].argmax(-1).tolist())
@@ -146,3 +163,62 @@ class DFlashDrafter:
         toks, _, conf = self.model.markov.decode(U[None, :g], h[None, 1 : g + 1], anchor, choose)
         c = calibrated_confidence(conf[0], self.cfg.confidence_temperatures)  # [g]
         return Draft(toks[0].tolist(), torch.stack(qs) if qs else None, c.tolist())
+
+    def _select(self, U: torch.Tensor, h: torch.Tensor, anchor: int, g: int) -> Draft:
+        """DFlash 2: the path selector walks the block's top-m candidates (drafters/path_selector.py); sampled,
+        each position's distribution over its candidates is returned scattered over the vocabulary."""
+        sel, p, embed = self.model.selector, self.params, self.model.parts.embed
+        lat = sel.lattice(U[:g], h[1 : g + 1], embed)
+        tokens, dists = walk(lat, sel, embed, anchor, g, 0.0 if p.greedy else p.temperature, self.generator)
+        if p.greedy:
+            return Draft(tokens)
+        probs = torch.zeros(g, U.shape[-1], device=U.device)
+        probs.scatter_(1, lat.cand, torch.stack(dists))
+        return Draft(tokens, probs)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
+        """The `budget` most probable draft paths of at most `depth` tokens as one tree (parents listed first).
+        Best first: pop the most probable open node (ties: shallower, then older), keep it, open its TREE_TOPK
+        children; a child is never more probable than its parent, so the kept nodes are ancestor-closed."""
+        assert not self.released, "the drafter was released"
+        n = len(context) - 1
+        assert self.n == n, f"{self.name}: holds features for {self.n} positions, the context needs {n}"
+        B = self.cfg.block_size
+        depth = min(depth, budget, B - 1)
+        if depth <= 0 or n + B > self.model.parts.max_positions:
+            return TreeDraft((), ())
+        h, U = self.block(int(context[-1]), n)  # [B, d], [B - 1, V]
+        sel, embed = self.model.selector, self.model.parts.embed
+        lat = sel.lattice(U[:depth], h[1 : depth + 1], embed) if sel is not None else None
+        plain = None if self.model.markov is not None or lat is not None else \
+            torch.log_softmax(U[:depth].float(), -1).topk(TREE_TOPK)
+        tokens: list[int] = []
+        parents: list[int] = []
+        heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, order, parent node, token)
+        order = 0
+
+        def open_children(node: int, prev: int, d: int, score: float) -> None:  # d: the children's depth (1-based)
+            nonlocal order
+            if d > depth:
+                return
+            if plain is not None:
+                vals, idx = plain.values[d - 1], plain.indices[d - 1]
+            elif lat is not None:  # the selector's step distribution over the m candidates given this node
+                z = lat.step_logits(d - 1, sel.left(embed[prev].to(sel.w_l.weight.dtype)).float())
+                vals, j = torch.log_softmax(z, -1).topk(min(TREE_TOPK, z.shape[0]))
+                vals, idx = vals + lat.mass[d - 1], lat.cand[d - 1, j]
+            else:
+                z = U[d - 1].float() + self.model.markov.bias(torch.tensor(prev, device=self.device)).float()
+                vals, idx = torch.log_softmax(z, -1).topk(TREE_TOPK)
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                heapq.heappush(heap, (-(score + v), d, order, node, t))
+                order += 1
+
+        open_children(-1, int(context[-1]), 1, 0.0)
+        while heap and len(tokens) < budget:
+            neg, d, _, parent, tok = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            open_children(len(tokens) - 1, tok, d + 1, -neg)
+        return TreeDraft(tuple(tokens), tuple(parents))

@@ -87,6 +87,11 @@ def export(model: DFlashModel, target, out_dir: str | Path, fmt: str = "speculat
     mask = default_mask_token(t) if mask_token_id is None else int(mask_token_id)
     if not 0 <= mask < c.vocab_size:
         raise ValueError(f"mask_token_id {mask} is outside the vocabulary (0..{c.vocab_size - 1})")
+    if model.selector is not None:
+        import warnings
+
+        warnings.warn("the DFlash 2 path selector is not exported: vLLM and SGLang have no such module, so the "
+                      "export drafts as plain DFlash", stacklevel=2)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     tensors = {new: sd[old] for old, new in backbone_names(model).items()}
     mask_vec = sd["mask_embedding"].detach()

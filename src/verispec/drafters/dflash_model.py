@@ -166,6 +166,7 @@ class DFlashModel(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(parts.embed.float().mean(0).to(parts.embed.dtype).clone())  # [d]
         self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank) if cfg.dspark else None
+        self.selector = None  # DFlash 2's path selector (drafters/path_selector.py), stored in files of its own
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith("markov."):
                 nn.init.normal_(p, std=0.02)
@@ -246,7 +247,10 @@ class DFlashModel(nn.Module):
             cfg["dspark_config"] = {"markov_rank": c.markov_rank,
                                     "confidence_temperatures": list(c.confidence_temperatures)}
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(out / "model.safetensors"))
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("selector.")},
+                  str(out / "model.safetensors"))
+        if self.selector is not None:
+            self.selector.save(out)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target) -> "DFlashModel":
@@ -272,6 +276,14 @@ class DFlashModel(nn.Module):
         missing, unexpected = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
         if missing or unexpected:
             raise ValueError(f"{d}: weights do not fit the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        from verispec.drafters.path_selector import PathSelector
+
+        selector = PathSelector.load(d)
+        if selector is not None:
+            if cfg.dspark or selector.cfg.hidden_size != cfg.hidden_size:
+                raise ValueError(f"{d}: the path selector fits a DFlash drafter of hidden size "
+                                 f"{selector.cfg.hidden_size}, not this {'DSpark' if cfg.dspark else 'DFlash'} one")
+            model.selector = selector.to(device=target.device, dtype=target.dtype)
         return model.eval()
 
     def with_temperatures(self, temps: Sequence[float]) -> "DFlashModel":

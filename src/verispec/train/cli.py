@@ -1,4 +1,4 @@
-"""`verispec train data | merge-data | eagle3 | dflash | dspark | export-eagle3 | export-dflash`."""
+"""`verispec train data | merge-data | eagle3 | dflash | dspark | selector | export-eagle3 | export-dflash`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def add_train_parser(sub) -> None:
     for method in ("dflash", "dspark"):
         p = tsub.add_parser(method, help=f"train a {'DSpark' if method == 'dspark' else 'DFlash'} block drafter")
         dflash.add_args(p, method)
+    from verispec.train import selector
+
+    selector.add_args(tsub.add_parser("selector", help="train DFlash 2's path selector on a trained DFlash drafter "
+                                      "(the drafter frozen); writes the drafter with its selector"))
     f = tsub.add_parser("export-dflash", help="write a trained DFlash / DSpark drafter in the layout vLLM and SGLang "
                         "load (speculators: vLLM, DFlash and DSpark; dflash: z-lab's DFlashDraftModel)")
     f.add_argument("checkpoint", help="directory written by `verispec train dflash | dspark` (or a shipped name)")
@@ -83,6 +87,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         path = export_from_checkpoint(args.checkpoint, args.out)
         print(f"wrote {path}")
+        return 0
+    if c == "selector":
+        from verispec.train import selector
+
+        log = selector.run(args)
+        print(json.dumps({"selector_params": log["selector_params"], "train_anchors": log["train_anchors"],
+                          "heldout_before": log["heldout"][0], "heldout_after": log["heldout"][-1]}, indent=1))
         return 0
     if c == "eagle3":
         from verispec.train import eagle3
