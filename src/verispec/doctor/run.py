@@ -81,13 +81,9 @@ def _drafter_dir(ctx: Ctx) -> Path:
 def _drafter(ctx: Ctx) -> list[C.Check]:
     o = ctx.opts
     if o.method == "mtp":  # the target's own checkpoint drafts
-        from safetensors import safe_open
+        from verispec.models.loader import tensor_index
 
-        names: set[str] = set()
-        for f in sorted(ctx.resolved.directory.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as sf:
-                names.update(sf.keys())
-        return [C.mtp_layout(ctx.target_cfg, names)]
+        return [C.mtp_layout(ctx.target_cfg, set(tensor_index(ctx.resolved.directory)))]
     if o.method not in LEARNED_METHODS:
         if o.method == "draft_model":
             from verispec.models.loader import read_config, resolve

@@ -205,7 +205,7 @@ class DFlashDrafter:
             if plain is not None:
                 vals, idx = plain.values[d - 1], plain.indices[d - 1]
             elif lat is not None:  # the selector's step distribution over the m candidates given this node
-                z = lat.step_logits(d - 1, sel.left(embed[prev].to(sel.w_l.weight.dtype)).float())
+                z = sel.next_logits(lat, d - 1, prev, embed)
                 vals, j = torch.log_softmax(z, -1).topk(min(TREE_TOPK, z.shape[0]))
                 vals, idx = vals + lat.mass[d - 1], lat.cand[d - 1, j]
             else:

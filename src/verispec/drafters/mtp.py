@@ -57,6 +57,10 @@ class MTPHead(nn.Module):
         self.eps = block_cfg.rms_norm_eps
 
     @property
+    def target(self) -> LlamaModel:
+        return self._target[0]
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         return (self._target[0].cfg.num_layers,)  # the last layer's output, before the target's final norm
 
@@ -102,35 +106,40 @@ class MTPHead(nn.Module):
 def load(directory: str | Path, target: LlamaModel) -> MTPHead:
     """The MTP layers of the target checkpoint in `directory`, in the target's dtype and device; MTPLayoutError
     (a ValueError) naming what is absent, miscounted or not runnable."""
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
-    from verispec.models.loader import read_config
+    from verispec.models.loader import read_config, tensor_index
 
     d = Path(directory)
     cfg = read_config(d)
-    files = sorted(d.glob("*.safetensors"))
-    where: dict[str, Path] = {}
-    shapes: dict[str, list[int]] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as sf:
-            for name in sf.keys():
-                where[name] = f
-                shapes[name] = list(sf.get_slice(name).get_shape())
-    layout, count = detect(cfg, set(where), where=str(d))
+    index = tensor_index(d)
+    names, shapes = set(index), {n: shape for n, (_, shape) in index.items()}
+    layout, count = detect(cfg, names, where=str(d))
     L = int(cfg["num_hidden_layers"])
-    bad = problems(layout, set(where), L, count) + _gated(layout, shapes, target, count, L)
+    bad = problems(layout, names, L, count) + _gated(layout, shapes, target, count, L)
     if bad:
         raise MTPLayoutError(f"{d}: " + "; ".join(bad))
     block_cfg = dataclasses.replace(target.cfg, num_layers=count, sliding_layers=(), sliding_window=None, mtp_layers=0,
                                     intermediate_size=block_intermediate(shapes, layout, 0, L))
-    names = layout.names(0, L)
-    own = {role: role in names and names[role] in where for role in ("own_head", "own_embed")}
+    first = layout.names(0, L)
+    own = {role: role in first and first[role] in names for role in ("own_head", "own_embed")}
     head = MTPHead(layout, block_cfg, target, own)
-    _fill(head, layout, L, _reader(where))
+    with ExitStack() as stack:  # each file opened once, for all the tensors it holds
+        files = {f: stack.enter_context(safe_open(str(f), "pt")) for f in {f for f, _ in index.values()}}
+
+        def get(name: str) -> torch.Tensor:
+            if name not in index:
+                raise MTPLayoutError(f"the checkpoint has no tensor {name!r}")
+            return files[index[name][0]].get_tensor(name)
+
+        _fill(head, layout, L, get)
     return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
-def _gated(layout: MTPLayout, shapes: dict[str, list[int]], target: LlamaModel, count: int, L: int) -> list[str]:
+def _gated(layout: MTPLayout, shapes: dict[str, tuple[int, ...]], target: LlamaModel, count: int, L: int
+           ) -> list[str]:
     """Qwen3-Next's gated attention: q_proj also yields the output gate (twice the query rows)."""
     c = target.cfg
     out = []
@@ -140,18 +149,6 @@ def _gated(layout: MTPLayout, shapes: dict[str, list[int]], target: LlamaModel, 
             out.append(f"MTP layer {i} is gated attention (q_proj yields queries and gates), which verispec's "
                        "Llama-family block does not run")
     return out
-
-
-def _reader(where: dict[str, Path]):
-    from safetensors import safe_open
-
-    def get(name: str) -> torch.Tensor:
-        if name not in where:
-            raise MTPLayoutError(f"the checkpoint has no tensor {name!r}")
-        with safe_open(str(where[name]), "pt") as sf:
-            return sf.get_tensor(name)
-
-    return get
 
 
 def _fill(head: MTPHead, layout: MTPLayout, L: int, get) -> None:
@@ -185,7 +182,7 @@ class MTPDrafter:
         self.head, self.cache, self.params = head, cache, params
         self.feature_layers = head.feature_layers
         self.slot = cache.allocate()
-        t = head._target[0]
+        t = head.target
         self.waiting = torch.empty(0, t.cfg.hidden_size, device=t.device, dtype=t.dtype)  # [n_feat - n_kv, d]
         self.n_feat = 0
         self.generator = None if params.greedy else params.make_generator(t.device, stream="mtp")

@@ -51,9 +51,6 @@ class Lattice:
     right: torch.Tensor
     mass: torch.Tensor
 
-    def step_logits(self, k: int, prev_left: torch.Tensor) -> torch.Tensor:
-        """[m] u_k(c) + b(p, c) for the previous token's W_l e(p) [r] (float32)."""
-        return (self.unary[k] + self.right[k] @ prev_left).float()
 
 
 class PathSelector(nn.Module):
@@ -99,6 +96,11 @@ class PathSelector(nn.Module):
         left = self.left(F.embedding(prev, embed).to(right.dtype))  # [..., g, r]
         return unary + (right @ left.unsqueeze(-1)).squeeze(-1)
 
+    def next_logits(self, lat: Lattice, k: int, prev: int, embed: torch.Tensor) -> torch.Tensor:
+        """[m] u_k(c) + b(prev, c) over position k's candidates, after token `prev` (float32)."""
+        left = self.left(embed[prev].to(self.w_l.weight.dtype)).float()  # [r]
+        return lat.unary[k] + lat.right[k] @ left
+
     @torch.no_grad()
     def lattice(self, logits: torch.Tensor, h: torch.Tensor, embed: torch.Tensor) -> Lattice:
         """One block at inference: logits [g, V] (DFlash's U), h [g, d] -> its Lattice."""
@@ -138,9 +140,8 @@ def walk(lat: Lattice, selector: PathSelector, embed: torch.Tensor, anchor: int,
     tokens: list[int] = []
     dists: list[torch.Tensor] = []
     prev = anchor
-    dt = selector.w_l.weight.dtype
     for k in range(g):
-        z = lat.step_logits(k, selector.left(embed[prev].to(dt)).float())  # [m]
+        z = selector.next_logits(lat, k, prev, embed)  # [m]
         if temperature <= 0:
             j = int(z.argmax())
         else:

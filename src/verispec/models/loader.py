@@ -122,6 +122,19 @@ def read_config(directory: Path) -> dict[str, Any]:
     return cfg
 
 
+def tensor_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of the directory's *.safetensors files: the file holding it and its shape, read from the
+    headers alone (no tensor data)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                out[name] = (f, tuple(sf.get_slice(name).get_shape()))
+    return out
+
+
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -142,15 +142,13 @@ def problems(layout: MTPLayout, names: Collection[str], num_layers: int, count: 
     for i in range(count):
         block = layout.block(i, num_layers)
         inside = [n for n in names if n.startswith(block)]
-        for fragment, what in FOREIGN_BLOCKS:
-            if any(fragment in n for n in inside):
-                out.append(f"MTP layer {i} ({block}*) is {what}, which verispec's Llama-family block does not run")
-                break
-        need = [*layout.names(i, num_layers).values()]
-        need = [n for n in need if not n.endswith(("shared_head.head.weight", "embed_tokens.weight"))]
-        need += [block + t for t in BLOCK_TENSORS]
-        missing = [n for n in need if n not in names]
-        if missing and not out:
+        foreign = next((what for fragment, what in FOREIGN_BLOCKS if any(fragment in n for n in inside)), None)
+        if foreign is not None:
+            out.append(f"MTP layer {i} ({block}*) is {foreign}, which verispec's Llama-family block does not run")
+            continue
+        need = [n for role, n in layout.names(i, num_layers).items() if not role.startswith("own_")]  # own_*: optional
+        missing = [n for n in need + [block + t for t in BLOCK_TENSORS] if n not in names]
+        if missing:
             out.append(f"MTP layer {i} of the {layout.name} layout misses {len(missing)} tensor(s): "
                        f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     return out

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from verispec.drafters.dflash_model import DFlashModel
 from verispec.drafters.path_selector import PathSelector, SelectorConfig
@@ -90,8 +89,7 @@ def greedy_walk(sel: PathSelector, rows: Rows, embed: torch.Tensor) -> torch.Ten
     prev = rows.anchor
     out = []
     for k in range(unary.shape[1]):
-        left = sel.left(F.embedding(prev, embed).to(right.dtype))  # [N, r]
-        z = unary[:, k] + (right[:, k] @ left.unsqueeze(-1)).squeeze(-1)  # [N, m]
+        z = sel.step_logits(unary[:, k : k + 1], right[:, k : k + 1], prev[:, None], embed)[:, 0]  # [N, m]
         prev = rows.cand[:, k].gather(1, z.argmax(-1, keepdim=True)).squeeze(1)
         out.append(prev)
     return torch.stack(out, 1)
