@@ -3,8 +3,9 @@
 Conditions:
   - Model: smollm2-135m-instruct (the cached GGUF, SmolLM2-135M-Instruct Q4_1), CPU.
   - Reference: `fp32` = dense float32 weights dequantised from that GGUF. Paths compared with it: `bf16` (the same
-    dense weights cast to bfloat16) and `gguf-int4` (`quantization="gguf"`: the GGUF's own Q4_1 blocks on aten's
-    int4 kernel, bfloat16 activations). The `fp32` row is the reference compared with itself (a sanity row).
+    dense weights cast to bfloat16), `gguf-int4` (`quantization="gguf"`: the GGUF's own Q4_1 blocks on aten's
+    int4 kernel, bfloat16 activations) and `gguf-q8act` (the GGUF's own blocks and Q8_0 head on verispec's kernel,
+    activations rounded to int8 per 32 values as llama.cpp does). The `fp32` row is the reference compared with itself (a sanity row).
   - Prompts: the first --limit prompts (default 2) of each shipped workload (default all), chat template applied.
   - Teacher forcing: the reference decodes a greedy continuation of T = --tokens (default 64) tokens
     (ignore_eos, so every continuation has exactly T tokens); then every path runs prompt + continuation in ONE
@@ -37,7 +38,8 @@ from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
 
 PATHS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
-         "gguf-int4": dict(dtype="bfloat16", quantization="gguf")}
+         "gguf-int4": dict(dtype="bfloat16", quantization="gguf"),
+         "gguf-q8act": dict(dtype="float32", quantization="gguf-q8act")}
 REFERENCE = "fp32"
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 
 from verispec.execution.int4 import Int4Weight
-from verispec.execution.paths import cpu_info
+from verispec.execution.cpu import cpu_info
 from verispec.models.gguf_blocks import Blocks, read_blocks
 
 MS = (1, 2, 4, 8, 16, 32)

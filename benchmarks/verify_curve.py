@@ -22,7 +22,8 @@ import torch
 from verispec.config import ModelConfig
 from verispec.execution.autotune import resolve_path
 from verispec.execution.invariance import linears_row_invariant
-from verispec.execution.paths import candidates, cpu_info
+from verispec.execution.cpu import cpu_info
+from verispec.execution.paths import candidates
 from verispec.models import hub
 from verispec.models.llama import LlamaModel, Segment
 from verispec.models.loader import gguf_has_int4_linears, load_model, read_config, resolve

@@ -1,5 +1,6 @@
-"""Plain and speculative decoding per weight path of the default model: dense fp32, dense bf16 and the GGUF's own
-int4 blocks (`quantization="gguf"`, bf16 activations, batch-invariant attention).
+"""Plain and speculative decoding per weight path of the default model: dense fp32, dense bf16, the GGUF's own
+int4 blocks (`quantization="gguf"`, bf16 activations, batch-invariant attention) and the GGUF's own blocks on
+verispec's kernel (`quantization="gguf-q8act"`, int8 activations per 32 values, fp32 elsewhere).
 
 Conditions (MEASURE.md): concurrency 1; metric = output tok/s of one stream (whole request, prefill included)
 and decode ms/token (after the first token); baselines = plain decoding on the same path AND the fastest plain
@@ -23,10 +24,11 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
-from verispec.execution.paths import cpu_info
+from verispec.execution.cpu import cpu_info
 
 PATHS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
-         "gguf-int4": dict(dtype="bfloat16", quantization="gguf")}
+         "gguf-int4": dict(dtype="bfloat16", quantization="gguf"),
+         "gguf-q8act": dict(dtype="float32", quantization="gguf-q8act")}
 
 
 def engines(args) -> dict[tuple[str, str], LLM]:

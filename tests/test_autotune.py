@@ -13,7 +13,8 @@ import torch
 from verispec.config import ModelConfig
 from verispec.execution import autotune
 from verispec.execution.autotune import choose, expected_cost, profile_paths, resolve_path, typical_blocks
-from verispec.execution.paths import KERNEL_FLAGS, PATHS, candidates, cpu_info, path_for
+from verispec.execution.cpu import KERNEL_FLAGS, cpu_info
+from verispec.execution.paths import PATHS, candidates, path_for
 
 CPU = cpu_info()
 TINY = ModelConfig.from_hf(dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -51,7 +52,10 @@ def test_candidates_depend_on_device_and_checkpoint():
     assert [p.name for p in candidates("cpu", False)] == ["fp32", "bf16"]
     from verispec.execution.int4 import int4_kernel_available
 
-    expected = ["fp32", "bf16"] + (["gguf-int4"] if int4_kernel_available() else [])
+    from verispec.execution.cpu_kernels import fast_kernel_available
+
+    expected = ["fp32", "bf16"] + (["gguf-int4"] if int4_kernel_available() else []) + (
+        ["gguf-q8act"] if fast_kernel_available()[0] else [])
     assert [p.name for p in candidates("cpu", True)] == expected
 
 

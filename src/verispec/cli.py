@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from verispec.config import SPEC_METHODS
+from verispec.config import QUANTIZATIONS, SPEC_METHODS
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -28,9 +28,11 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
                    help="batch invariance (a token's logits the same alone, in a verify block or beside other "
                         "requests: greedy speculative output == plain bitwise). Default: on where the path's "
                         "linears measure row-invariant; --invariant requires it, --no-invariant turns it off")
-    p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="gguf: run a .gguf model's own Q4_0 / Q4_1 weights on the CPU int4 kernel (bf16 activations, "
-                        "batch-invariant: speculative greedy output equals plain bitwise); default: dense weights")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="gguf: a .gguf model's own Q4_0 / Q4_1 weights on aten's CPU int4 kernel (bf16 activations); "
+                        "gguf-q8act: its own blocks and head on verispec's CPU kernel, activations rounded to int8 "
+                        "per 32 values as llama.cpp does (float32 elsewhere). Both batch-invariant: speculative "
+                        "greedy output equals plain bitwise. Default: as --dtype auto chooses")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:

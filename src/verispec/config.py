@@ -131,6 +131,9 @@ class ModelConfig:
 MODEL_FREE_METHODS = ("ngram", "suffix")  # drafting from the request's own tokens (and earlier outputs)
 LEARNED_METHODS = ("eagle3", "dflash", "dspark")  # trained heads reading the target's hidden states
 NATIVE_METHODS = ("mtp",)  # drafting layers the target's own checkpoint ships (drafters/mtp.py)
+# load_model's quantization values: "gguf" (a GGUF's Q4 blocks on aten's int4 kernel, bf16 activations) and
+# "gguf-q8act" (its blocks and head on verispec's CPU kernel, int8 activations per 32 values); None = dense weights
+QUANTIZATIONS = ("gguf", "gguf-q8act")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark")  # the drafters with a propose_tree
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Union
 
-from verispec.config import SPEC_METHODS
+from verispec.config import QUANTIZATIONS, SPEC_METHODS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("static", "goodput", "dspark")
@@ -51,7 +51,7 @@ class EngineSpec:
         if self.scheduler is not None:
             _check_choice("scheduler", self.scheduler, SCHEDULERS)
         if self.quantization is not None:
-            _check_choice("quantization", self.quantization, ("gguf",))
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.k is not None and not (isinstance(self.k, int) and 1 <= self.k <= 64):
             raise ValueError(f"SPEC key k must be an integer in 1..64, got {self.k!r}")
         if self.truncate is not None and not (isinstance(self.truncate, int) and self.truncate >= 1):

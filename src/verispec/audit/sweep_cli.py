@@ -36,7 +36,8 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--scheduler", default="static",
                    help="static, goodput or dspark (default: %(default)s: the same k at every value)")
     p.add_argument("--dtype", default="auto", help="weight path: auto, float32, bfloat16 (default: %(default)s)")
-    p.add_argument("--quantization", default=None, help="gguf: the GGUF file's own int4 blocks")
+    p.add_argument("--quantization", default=None,
+                   help="gguf: the GGUF file's own int4 blocks; gguf-q8act: its blocks on verispec's kernel")
     p.add_argument("--domains", default=None, help="comma list of shipped domains (default: all)")
     p.add_argument("--items", default=None, help="a JSONL of audit items in the shipped format, instead of domains")
     p.add_argument("--temperature", default="0,1", help="comma list of temperatures (default: %(default)s)")

@@ -26,7 +26,8 @@ from typing import Callable, Sequence
 import torch
 
 from verispec.config import ModelConfig
-from verispec.execution.paths import CpuInfo, WeightPath, cpu_info
+from verispec.execution.cpu import CpuInfo, cpu_info
+from verispec.execution.paths import WeightPath
 from verispec.models.loader import parse_dtype
 
 PROFILE_M = (1, 4, 8, 16)  # tokens per forward the profile times
@@ -96,12 +97,27 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 STREAM_BYTES = 64 * 2**20  # weights cycled through per timed pass: more than a last-level cache holds
 
 
+def _random_blocks(kind: str, n: int, k: int, seed: int):
+    """An [N, K] `Q8ActWeight` of random GGUF blocks (quants random, every d and m a small finite half)."""
+    import numpy as np
+
+    from verispec.execution.q8act import BLOCK, BLOCK_BYTES, Q8ActWeight
+
+    size = BLOCK_BYTES[kind]
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // BLOCK, size), dtype=np.uint8)
+    raw[:, :, 0:4] = np.frombuffer(np.array([0.01, -0.02], np.float16).tobytes(), np.uint8)
+    return Q8ActWeight(raw.reshape(n, -1), kind, n, k)
+
+
 def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """An [N, K] linear in the path's format with random weights: (x [M, K] -> [M, N], its bytes)."""
     from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
 
     dtype = parse_dtype(path.dtype)
     g = torch.Generator().manual_seed(seed)
+    if path.quantization == "gguf-q8act":
+        q = _random_blocks("Q4_1", n, k, seed)
+        return q.matmul, q.tiles.numel()
     if path.quantization == "gguf" and n % N_MULTIPLE == 0 and k % GROUP == 0:
 
         w = Int4Weight(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // GROUP, generator=g) / 50,
@@ -111,10 +127,18 @@ def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[t
     return (lambda x: torch.nn.functional.linear(x, dense)), dense.numel() * dense.element_size()
 
 
+def _head_fn(path: WeightPath, cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The output head as the path runs it: Q8_0 blocks on verispec's kernel (gguf-q8act), else dense."""
+    if path.quantization == "gguf-q8act":
+        return _random_blocks("Q8_0", cfg.vocab_size, cfg.hidden_size, 7).matmul
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size) / cfg.hidden_size**0.5).to(parse_dtype(path.dtype))
+    return lambda x: torch.nn.functional.linear(x, head)
+
+
 class _PathBench:
     """One path's linears with random weights: a layer's linears in as many distinct copies as fill STREAM_BYTES
     (at most num_layers), so they come from memory as in a real forward and not from a cache one small layer
-    fits in, and the dense output head."""
+    fits in, and the output head as the path runs it."""
 
     def __init__(self, path: WeightPath, cfg: ModelConfig) -> None:
         self.cfg, self.dtype, self.shapes = cfg, parse_dtype(path.dtype), linear_shapes(cfg)
@@ -123,7 +147,7 @@ class _PathBench:
         self.layers = [[f for f, _ in first]] + [
             [_linear_fn(path, n, k, 97 * c + i)[0] for i, (n, k) in enumerate(self.shapes)]
             for c in range(1, self.copies)]
-        self.head = (torch.randn(cfg.vocab_size, cfg.hidden_size) / cfg.hidden_size**0.5).to(self.dtype)
+        self.head = _head_fn(path, cfg)
 
     def forward_ms(self, m: int) -> float:
         """ms of one forward's linears at M = m: the layer copies' time / copies x num_layers, plus the head."""
@@ -134,7 +158,7 @@ class _PathBench:
             for f, x in zip(fs, xs):
                 f(x)
         t1 = time.perf_counter()
-        torch.nn.functional.linear(h, self.head)
+        self.head(h)
         t2 = time.perf_counter()
         return ((t1 - t0) / self.copies * self.cfg.num_layers + (t2 - t1)) * 1e3
 

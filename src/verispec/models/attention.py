@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -322,9 +322,16 @@ def kv_rows(segments: Sequence[SegmentLike], num_kv_heads: int, max_len: int, de
 
 
 # ---- attention (per layer and group) ----------------------------------------------------------------------------
-def attend_group(q: torch.Tensor, g: KeyGroup, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
+# an attention kernel standing in for `_attention` on CPU: (q [B, M, hd], k, v [B, L, hd], bias [B?, M?, L] or
+# None) -> [B, M, hd] (execution/cpu_kernels.py's `Library.attention`, run by the gguf-q8act path)
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def attend_group(q: torch.Tensor, g: KeyGroup, ck: torch.Tensor, cv: torch.Tensor,
+                 kernel: AttentionKernel | None = None) -> torch.Tensor:
     """q: [E n, H, hd] the group's rows, entry-major, in the cache's dtype; ck, cv: [slots, K, T, hd] one layer of the
-    cache (already holding this block's K/V) -> [E n, H hd] in the cache's dtype."""
+    cache (already holding this block's K/V) -> [E n, H hd] in the cache's dtype. `kernel`: the CPU attention
+    arithmetic to use instead of torch's batched matmuls (None: torch's)."""
     K, hd, n = ck.shape[1], ck.shape[3], g.n
     E, G = q.shape[0] // n, q.shape[1] // K
     if n == 1:  # one matrix per (entry, KV head): the G query heads sharing it
@@ -332,10 +339,10 @@ def attend_group(q: torch.Tensor, g: KeyGroup, ck: torch.Tensor, cv: torch.Tenso
     else:  # per (entry, KV head) the G n rows ordered (g, i)
         qs = q.reshape(E, n, K, G, hd).permute(0, 2, 3, 1, 4).reshape(E * K, G * n, hd)
     if g.shared:
-        o = _attend_shared(qs.reshape(E, K, G * n, hd), *_view(ck, cv, g), g.bias)
+        o = _attend_shared(qs.reshape(E, K, G * n, hd), *_view(ck, cv, g), g.bias, kernel)
     else:
         keys, vals = _view(ck, cv, g) if g.view is not None else _gather(ck, cv, g)  # [E K, L, hd] each
-        o = _attention(qs, keys, vals, g.bias)
+        o = _attention(qs, keys, vals, g.bias, kernel)
     if n == 1:
         return o.reshape(E, K * G * hd)
     return o.reshape(E, K, G, n, hd).permute(0, 3, 1, 2, 4).reshape(E * n, K * G * hd)
@@ -357,19 +364,24 @@ def _gather(ck: torch.Tensor, cv: torch.Tensor, g: KeyGroup) -> tuple[torch.Tens
             cv.view(-1, hd).index_select(0, g.index).view(-1, g.length, hd))  # type: ignore[arg-type]
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+               kernel: AttentionKernel | None = None) -> torch.Tensor:
     """q: [E K, M, hd]; k, v: [E K, L, hd]; bias: [E K or 1, M or 1, L]. Returns [E K, M, hd].
 
-    On CUDA this is SDPA's fused kernel. On CPU an explicit softmax(q k^T / sqrt(hd) + bias) v in the cache's dtype
-    (fp32 on CPU, where bf16 batched matmuls are slow), far cheaper than SDPA's CPU fallback for short blocks.
+    On CUDA this is SDPA's fused kernel. On CPU the given kernel, or an explicit softmax(q k^T / sqrt(hd) + bias) v
+    in the cache's dtype (fp32 on CPU, where bf16 batched matmuls are slow), far cheaper than SDPA's CPU fallback
+    for short blocks.
     """
     if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    if kernel is not None:
+        return kernel(q, k, v, bias)
     scores = _scores(q, k.transpose(1, 2), bias)  # [E K, M, L]
     return torch.bmm(torch.softmax(scores, dim=-1), v)
 
 
-def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   kernel: AttentionKernel | None = None) -> torch.Tensor:
     """q: [E, K, M, hd]; k, v: [K, L, hd] read by every entry; bias: [E, M or 1, L]. Returns [E, K, M, hd].
 
     Per KV head one batch of E matrices whose key operand is the same view broadcast E times: the same per-entry
@@ -379,6 +391,9 @@ def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     if q.is_cuda:
         mask = None if bias is None else bias[:, None]  # [E, 1, M or 1, L]
         return F.scaled_dot_product_attention(q, k.expand(E, K, L, hd), v.expand(E, K, L, hd), attn_mask=mask)
+    if kernel is not None:  # per KV head, the shared keys as a batch stride of 0
+        return torch.stack([kernel(q[:, h], k[h].expand(E, L, hd), v[h].expand(E, L, hd), bias)
+                            for h in range(K)], 1)
     scores = q.new_empty(K, E, M, L)
     for h in range(K):
         _scores(q[:, h], k[h].expand(E, L, hd).transpose(1, 2), bias, out=scores[h])  # [E, M, L]

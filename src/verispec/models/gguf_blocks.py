@@ -80,16 +80,25 @@ def tensor_kind(reader: GGUFReader, name: str) -> str:
     return GGMLQuantizationType(_tensor(reader, name).tensor_type).name
 
 
-def read_blocks(source: GGUFReader | str | os.PathLike, name: str) -> Blocks:
-    """Tensor `name` of a GGUF file (a path or an open reader) as `Blocks` in its logical [N, K] layout."""
+def raw_rows(source: GGUFReader | str | os.PathLike, name: str) -> tuple[np.ndarray, str, int]:
+    """Tensor `name` of a GGUF file as stored: (uint8 [N, K / 32 * block bytes] rows of blocks, its GGML type
+    name, K). Only for block formats (FORMATS)."""
     reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
     t = _tensor(reader, name)
     kind = GGMLQuantizationType(t.tensor_type).name
+    if kind not in FORMATS:
+        raise ValueError(f"{name} is {kind}; block formats: {', '.join(FORMATS)}")
     k = int(t.shape[0])  # GGUF's ne: innermost (K) first
     n = int(np.prod(t.shape[1:]))
-    blocks = unpack(np.asarray(t.data).reshape(n, -1), kind)
-    if blocks.shape != (n, k):
-        raise ValueError(f"{name}: unpacked {blocks.shape}, expected {(n, k)}")
+    return np.asarray(t.data).reshape(n, -1), kind, k
+
+
+def read_blocks(source: GGUFReader | str | os.PathLike, name: str) -> Blocks:
+    """Tensor `name` of a GGUF file (a path or an open reader) as `Blocks` in its logical [N, K] layout."""
+    raw, kind, k = raw_rows(source, name)
+    blocks = unpack(raw, kind)
+    if blocks.shape != (raw.shape[0], k):
+        raise ValueError(f"{name}: unpacked {blocks.shape}, expected {(raw.shape[0], k)}")
     return blocks
 
 

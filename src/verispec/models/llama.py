@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ModelConfig
-from verispec.models.attention import AttentionPlan, CacheShape, attend_group, plan_attention
+from verispec.models.attention import AttentionKernel, AttentionPlan, CacheShape, attend_group, plan_attention
 from verispec.models.mtp_layout import is_mtp_tensor
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.models.tree import depths
@@ -65,6 +65,7 @@ class AttentionContext:
     cache: Cache  # each layer writes its K/V here (its own `Layer.index`) and reads the keys back
     per_query: bool = False  # every query position attends alone-shaped (`LlamaModel.batch_invariant`)
     kv_rows: torch.Tensor | None = None  # [N K] cache rows of the new K/V when there are several segments
+    kernel: AttentionKernel | None = None  # the CPU attention arithmetic (`LlamaModel.attention_kernel`)
 
 
 @dataclass
@@ -173,9 +174,9 @@ class Layer(nn.Module):
         if plan.order is not None:
             qf = qf.index_select(0, plan.order)  # the rows grouped
         if len(plan.groups) == 1:
-            o = attend_group(qf, plan.groups[0], ck, cv)  # [N, H hd]
+            o = attend_group(qf, plan.groups[0], ck, cv, ctx.kernel)  # [N, H hd]
         else:
-            o = torch.cat([attend_group(qf[g.rows], g, ck, cv) for g in plan.groups])
+            o = torch.cat([attend_group(qf[g.rows], g, ck, cv, ctx.kernel) for g in plan.groups])
         if plan.restore is not None:
             o = o.index_select(0, plan.restore)  # back to the block's row order
         return o.to(q.dtype)
@@ -205,6 +206,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # a kernel module computing the logits in place of the dense output weight (models/quantized.py), or None
+        self.head_weight: nn.Module | None = None
+        # the CPU attention arithmetic in place of torch's batched matmuls (models/quantized.py), or None
+        self.attention_kernel: AttentionKernel | None = None
         self.set_rope_length(rope_len or cfg.max_position_embeddings)
         # True: every query position attends with shapes of its own (models/attention.py, per-query path), so a
         # token's logits do not depend on the block it is verified in or on the other requests of the forward when
@@ -323,7 +328,11 @@ class LlamaModel(nn.Module):
             raise
 
     def _context(self, segments: Sequence[Segment], cache: Cache) -> AttentionContext:
-        return attention_context(self.cfg, segments, cache, self.rope_rows(segments), self.batch_invariant)
+        # an attention kernel computes each row alone (its result does not depend on masked keys padding the
+        # range), so blocked plans keep the forward batch-invariant; torch's batched matmuls need per-query plans
+        per_query = self.batch_invariant and self.attention_kernel is None
+        return attention_context(self.cfg, segments, cache, self.rope_rows(segments), per_query,
+                                 self.attention_kernel)
 
     def rope_rows(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin: [N, 1, head_dim] in the model's dtype for the segments' positions (a view of the
@@ -357,11 +366,13 @@ class LlamaModel(nn.Module):
         else:
             last = None
             sel = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [M, d]
-        return F.linear(sel, self.output_weight()).float(), last  # [M, vocab]
+        head = self.output_weight() if self.head_weight is None else self.head_weight
+        return _linear(sel, head, None).float(), last  # [M, vocab]
 
 
 def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cache,
-                      rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = False) -> AttentionContext:
+                      rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = False,
+                      kernel: AttentionKernel | None = None) -> AttentionContext:
     """What the layers of `cfg` read in one forward over `segments`: the RoPE rows (cos, sin [N, 1, hd]), the
     attention plan per window size (over the block tables of a paged cache) and the cache. The target's forward
     and a drafter running decoder layers of its own (drafters/mtp.py) build it alike."""
@@ -372,7 +383,7 @@ def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cach
     tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
     plans = {w: plan_attention(segments, w, batch_invariant, shape, tables) for w in _windows(cfg)}
     rows = None if len(segments) == 1 else cache.kv_rows(segments, cos.device)
-    return AttentionContext(cos, sin, tuple(segments), plans, cache, batch_invariant, rows)
+    return AttentionContext(cos, sin, tuple(segments), plans, cache, batch_invariant, rows, kernel)
 
 
 @functools.lru_cache(maxsize=64)

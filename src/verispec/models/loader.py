@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from verispec.config import ModelConfig
+from verispec.config import QUANTIZATIONS, ModelConfig
 from verispec.models import hub
 from verispec.models.llama import LlamaModel, load_hf_state_dict
 
@@ -157,8 +157,10 @@ def load_model(
 ) -> tuple[LlamaModel, ResolvedModel]:
     """Build our decoder with the checkpoint's weights, cast to `dtype` on `device`.
 
-    quantization="gguf" (opt-in; a .gguf model, CPU, dtype bfloat16): the Q4_0 / Q4_1 linears run on the GGUF's
-    own 4-bit blocks through the CPU int4 kernel (models/quantized.py); None (the default): dense weights.
+    quantization="gguf" (a .gguf model, CPU, dtype bfloat16): the Q4_0 / Q4_1 linears run on the GGUF's own 4-bit
+    blocks through aten's CPU int4 kernel; "gguf-q8act" (a .gguf model, CPU, float32 or bfloat16): the block-format
+    linears and the output head run on the GGUF's own blocks through verispec's kernel with int8 activations
+    (models/quantized.py); None: dense weights.
     """
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
     _check_quantization(quantization, resolved, dtype, device)
@@ -178,11 +180,15 @@ def load_model(
 
         replaced = quantize_from_gguf(net, resolved.gguf)  # type: ignore[arg-type]
         log.info("quantization=gguf: %d linears run on the GGUF's int4 blocks", replaced)
+    elif quantization == "gguf-q8act":
+        from verispec.models.quantized import quantize_q8act
+
+        replaced = quantize_q8act(net, resolved.gguf)  # type: ignore[arg-type]
+        log.info("quantization=gguf-q8act: %d linears (with the head) run on the GGUF's blocks", replaced)
     net.eval()
     return net, resolved
 
 
-QUANTIZATIONS = ("gguf",)
 
 
 def gguf_has_int4_linears(resolved: ResolvedModel) -> bool:
@@ -203,15 +209,21 @@ def gguf_has_int4_linears(resolved: ResolvedModel) -> bool:
 
 def _check_quantization(quantization: str | None, resolved: ResolvedModel, dtype: str | torch.dtype,
                         device: str | torch.device) -> None:
-    """Raise unless `quantization` is None, or "gguf" on a GGUF model, on CPU, in bfloat16."""
+    """Raise unless `quantization` is None, or "gguf" / "gguf-q8act" on a GGUF model, on CPU, in bfloat16 (gguf)
+    or float32 / bfloat16 (gguf-q8act)."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)} or None")
     if resolved.gguf is None:
-        raise ValueError(f"quantization='gguf' needs a .gguf model (or a known name); {resolved.name} is not one")
+        raise ValueError(f"quantization={quantization!r} needs a .gguf model (or a known name); "
+                         f"{resolved.name} is not one")
     if torch.device(device).type != "cpu":
-        raise ValueError("quantization='gguf' runs aten's CPU int4 kernel: use device='cpu'")
+        raise ValueError(f"quantization={quantization!r} runs a CPU kernel: use device='cpu'")
+    if quantization == "gguf-q8act":
+        if parse_dtype(dtype) not in (torch.float32, torch.bfloat16):
+            raise ValueError("quantization='gguf-q8act' takes float32 or bfloat16 activations")
+        return
     if parse_dtype(dtype) != torch.bfloat16:
         raise ValueError("quantization='gguf' runs bfloat16 activations: use dtype='bfloat16'")
 

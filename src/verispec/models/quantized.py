@@ -1,10 +1,15 @@
-"""Opt-in GGUF-quantised decoder (`load_model(..., quantization="gguf")`): the decoder loaded in bf16, then every
-linear whose GGUF tensors are all Q4_0 / Q4_1 replaced by an `Int4Weight` built from the file's own blocks
-(execution/int4.py: no requantisation; bf16 activations). Fused weights stack their parts along N as the HF
-loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp stores a "llama" model's q and k rows permuted for its
-RoPE layout; they are un-permuted here exactly as transformers' GGUF loader does, so row i of every weight is the
-dense model's row i. Norms, biases, the embedding and the (tied) lm_head stay dense bf16; any linear in another
-format (Q8_0, K-quants, F16) stays dense too.
+"""GGUF-quantised decoders: the dense decoder loaded first, then its linears replaced by kernel modules built from
+the file's own blocks (no requantisation).
+- `quantization="gguf"` (`quantize_from_gguf`, bf16): every linear whose GGUF tensors are all Q4_0 / Q4_1 becomes
+  an `Int4Weight` (execution/int4.py: aten's CPU int4 kernel, bf16 activations). The head stays dense.
+- `quantization="gguf-q8act"` (`quantize_q8act`, fp32 activations): every linear whose GGUF tensors share one of
+  Q4_0 / Q4_1 / Q8_0 becomes a `Q8ActWeight` (execution/q8act.py: verispec's kernel, int8 activations per 32, as
+  llama.cpp computes), and so does the output head (the tied embedding's blocks, or `output.weight`); attention
+  runs on verispec's fp32 CPU kernel (`Library.attention`).
+Fused weights stack their parts along N as the HF loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp
+stores a "llama" model's q and k rows permuted for its RoPE layout; they are un-permuted here exactly as
+transformers' GGUF loader does, so row i of every weight is the dense model's row i. Norms, biases and the
+embedding stay dense; a linear in any other format (K-quants, F16) stays dense too.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
-from verispec.models.gguf_blocks import Blocks, read_blocks, tensor_kind
+from verispec.models.gguf_blocks import FORMATS, Blocks, raw_rows, read_blocks, tensor_kind
 from verispec.models.llama import LlamaModel
 
 INT4_KINDS = ("Q4_0", "Q4_1")
@@ -66,6 +71,42 @@ def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
             setattr(layer, name, packed)
             replaced += 1
     model.batch_invariant = True  # the int4 and dense bf16 linears are row-wise invariant; attention follows suit
+    return replaced
+
+
+def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
+    """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
+    place (a CPU model loaded from that file). Returns how many were replaced, the head included."""
+    from verispec.execution.cpu_kernels import load
+    from verispec.execution.q8act import Q8ActWeight
+
+    reader = GGUFReader(str(gguf_path))
+    cfg, permuted = model.cfg, _arch(reader) == "llama"
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    replaced = 0
+    for i, layer in enumerate(model.layers):
+        for fused, parts in FUSED.items():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            if len({tensor_kind(reader, n) for n in names}) != 1 or tensor_kind(reader, names[0]) not in FORMATS:
+                continue  # mixed or non-block formats stay dense
+            rows = []
+            for p, name in zip(parts, names):
+                raw, kind, k = raw_rows(reader, name)
+                rows.append((raw[unpermute_rows(raw.shape[0], heads[p])] if permuted and p in heads else raw, kind))
+            dense = getattr(layer, fused)
+            packed = Q8ActWeight.stacked(rows, k)
+            if packed.shape != tuple(dense.shape):
+                raise ValueError(f"layer {i} {fused}: GGUF blocks {packed.shape} vs model {tuple(dense.shape)}")
+            delattr(layer, fused)
+            setattr(layer, fused, packed)
+            replaced += 1
+    head = "token_embd.weight" if model.lm_head is None else "output.weight"
+    if tensor_kind(reader, head) in FORMATS:
+        raw, kind, k = raw_rows(reader, head)
+        model.head_weight = Q8ActWeight(raw, kind, raw.shape[0], k)
+        replaced += 1
+    model.attention_kernel = load().attention  # the path's attention: verispec's fp32 kernel
+    model.batch_invariant = True  # every row computes alone in this kernel; attention follows suit
     return replaced
 
 

@@ -1,0 +1,47 @@
+"""The CPU a path runs on: what every stats dict, report and /metrics label says about it (its model name, the
+instruction-set flags that decide which kernels are fast: AVX2, AVX-512, AVX-512-bf16, AMX, and the capability
+torch's own kernels were dispatched for), and what verispec's own kernels are built for (execution/cpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# the flags that change which kernel is fastest: int8 / bf16 dot products and matrix tiles
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # e.g. "AMD EPYC 7B13"
+    flags: tuple[str, ...]  # the KERNEL_FLAGS this CPU has
+    capability: str  # torch's dispatch level: "DEFAULT", "AVX2", "AVX512", ...
+
+    def label(self) -> str:
+        """One short line: 'AVX2 [avx2 fma f16c] AMD EPYC 7B13'."""
+        return f"{self.capability} [{' '.join(self.flags) or 'no vector flags'}] {self.model}".strip()
+
+    def as_dict(self) -> dict[str, str]:
+        return {"cpu": self.model, "cpu_flags": " ".join(self.flags), "cpu_capability": self.capability}
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's CPU, from /proc/cpuinfo where there is one (Linux), else what `platform` knows."""
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    capability = torch.backends.cpu.get_cpu_capability()
+    return CpuInfo(model, tuple(f for f in KERNEL_FLAGS if f in flags), capability)

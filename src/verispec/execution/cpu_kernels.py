@@ -1,0 +1,172 @@
+"""verispec's own CPU kernels (csrc/cpu.c), built at first use for the CPU at hand and loaded with ctypes: the
+GGUF-block matmul with int8 activations (execution/q8act.py) and fp32 attention of a few query rows
+(`Library.attention`, the gguf-q8act path's attention).
+
+`pip install` stays one command: nothing is compiled at install time. The first time the `gguf-q8act` path is
+considered, the C source shipped in the package is compiled with the machine's C compiler (`$CC`, else cc, gcc or
+clang) into the verispec cache, once per source, compiler, flags and CPU flags; later runs load the cached
+library. The flags come from the CPU: `-mavx2 -mfma -mf16c` where it has all three (the fast body), none
+otherwise (only the portable body, which `dtype="auto"` never picks). OpenMP is used where the compiler has it;
+torch's own OpenMP runtime, already loaded, serves the library, so its threads are torch's threads. Without a
+compiler the path is simply not offered, and why is said once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from verispec.execution.cpu import cpu_info
+
+log = logging.getLogger(__name__)
+
+SOURCE = "cpu.c"
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the C enum
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel could not be built or loaded here (no compiler, a failed build): the reason is the message."""
+
+
+@dataclass(frozen=True)
+class Library:
+    lib: ctypes.CDLL
+    path: Path
+    flags: tuple[str, ...]  # the compiler flags it was built with
+    avx2: bool  # whether the AVX2 body is in it
+    openmp: bool
+
+    def describe(self) -> str:
+        body = "AVX2+FMA+F16C" if self.avx2 else "portable C"
+        return f"{body} body, {'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}"
+
+    def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
+               reference: bool = False) -> None:
+        """out [M, N] = x [M, K] times the packed [N, K] weight's transpose (execution/q8act.py's layout).
+        x and out: contiguous CPU float32 or bfloat16. `reference`: the portable body."""
+        rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), int(x.dtype == torch.bfloat16),
+                                x.shape[0], out.data_ptr(), int(out.dtype == torch.bfloat16),
+                                torch.get_num_threads(), int(reference))
+        if rc:
+            raise RuntimeError(f"vs_linear failed ({'bad shape or kind' if rc == -1 else 'out of memory'})")
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                  reference: bool = False) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd) + bias) v for float32 CPU tensors: q [B, M, hd]; k, v [B, L, hd] (any batch
+        and row strides, the last dimension contiguous; a batch stride of 0 shares one key set); bias
+        [B or 1, M or 1, L] or None. Returns [B, M, hd]. A row with no visible key (all -inf) gives zeros."""
+        B, M, hd = q.shape
+        L = k.shape[1]
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        bb = bm = 0
+        if bias is not None:
+            bias = bias.expand(B, M, L)
+            if bias.stride(-1) != 1:
+                bias = bias.contiguous()
+            bb, bm = bias.stride(0), bias.stride(1)
+        out = torch.empty(B, M, hd, dtype=torch.float32)
+        rc = self.lib.vs_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                                   v.data_ptr(), v.stride(0), v.stride(1), None if bias is None else bias.data_ptr(),
+                                   bb, bm, B, M, L, hd, hd**-0.5, out.data_ptr(), torch.get_num_threads(),
+                                   int(reference))
+        if rc:
+            raise MemoryError("vs_attention: out of memory")
+        return out
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else the first of cc, gcc, clang on PATH."""
+    env = os.environ.get("CC")
+    if env:
+        return env
+    return next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def build_flags() -> tuple[str, ...]:
+    """-O3 and no contraction of a * b + c into fma beyond the source's own (so both bodies round alike), plus
+    the vector flags this CPU has."""
+    base = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+    vec = ("-mavx2", "-mfma", "-mf16c") if all(f in cpu_info().flags for f in AVX2_FLAGS) else ()
+    return base + vec
+
+
+def _source() -> bytes:
+    return resources.files("verispec.execution").joinpath("csrc", SOURCE).read_bytes()
+
+
+def _build(cc: str, flags: tuple[str, ...], out: Path) -> bool:
+    """Compile into `out` (atomically); returns whether OpenMP made it in. Raises KernelUnavailable."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / SOURCE
+        src.write_bytes(_source())
+        lib = Path(tmp) / out.name
+        errors = ""
+        for openmp in (("-fopenmp",), ()):
+            cmd = [cc, *flags, *openmp, "-o", str(lib), str(src), "-lm"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode == 0:
+                os.replace(lib, out)
+                return bool(openmp)
+            errors = proc.stderr.strip()[-800:]
+        raise KernelUnavailable(f"{cc} could not build {SOURCE}: {errors}")
+
+
+@functools.cache
+def load(cache: Path | None = None) -> Library:
+    """Build (once per machine) and load the kernel. Raises KernelUnavailable with the reason."""
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler (set CC, or install gcc) to build verispec's CPU kernel")
+    flags = build_flags()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
+    key = hashlib.sha256(b"|".join([_source(), cc.encode(), version.encode(), " ".join(flags).encode(),
+                                    " ".join(cpu_info().flags).encode()])).hexdigest()[:16]
+    if cache is None:
+        from verispec.models.hub import cache_dir
+
+        cache = cache_dir()
+    out = cache / "kernels" / "build" / key / "libverispec_cpu.so"
+    openmp_marker = out.with_suffix(".openmp")
+    if not out.exists():
+        log.info("building verispec's CPU kernel with %s %s", cc, " ".join(flags))
+        if _build(cc, flags, out):
+            openmp_marker.touch()
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as e:
+        raise KernelUnavailable(f"built {out} but could not load it: {e}") from e
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32]
+    lib.vs_linear.restype = i32
+    lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
+                                 ctypes.c_float, p, i32, i32]
+    lib.vs_attention.restype = i32
+    lib.vs_has_avx2.restype = i32
+    return Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists())
+
+
+def fast_kernel_available() -> tuple[bool, str]:
+    """(whether the AVX2 body is built and loaded here, why not / what it is)."""
+    try:
+        lib = load()
+    except KernelUnavailable as e:
+        return False, str(e)
+    if not lib.avx2:
+        return False, f"this CPU lacks one of {', '.join(AVX2_FLAGS)}: only the slow portable kernel"
+    return True, lib.describe()

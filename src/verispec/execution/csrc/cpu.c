@@ -1,0 +1,432 @@
+/* verispec's own CPU matmul over a GGUF file's weight blocks, in llama.cpp's CPU arithmetic.
+ *
+ * The weights keep the file's blocks of 32 elements along K, their values untouched:
+ *   Q4_0: fp16 d, 32 nibbles      w = (q - 8) d   (taken as q d + m with m = -8 d, exact in float)
+ *   Q4_1: fp16 d, fp16 m, nibbles w = q d + m
+ *   Q8_0: fp16 d, 32 int8         w = q d
+ * but eight output rows are interleaved ("x8" layout, built by execution/ggml_cpu.py) so that one vector's lanes
+ * are eight outputs. A tile = 8 rows x 1 block:
+ *   d[8] fp16 | m[8] fp16 (Q4_1 only) | quants: 8 groups g of [row 0..7][4 bytes]
+ * where for 4-bit weights group g < 4 holds nibble bytes 4g..4g+3 (their low nibbles are elements 4g..4g+3, their
+ * high nibbles elements 16+4g..16+4g+3, i.e. group g + 4), and for Q8_0 group g holds elements 4g..4g+3.
+ *
+ * Each activation row is quantised in blocks of 32 to int8: s = amax / 127, q = round-half-even(x * (1 / s)).
+ * Then, per output element (n, r), blocks in order:
+ *   acc  = fma(float(sum_j q_w[j] q_x[j]), d_w * s_x, acc)     (the integer sum is exact)
+ *   mins = fma(m_w, s_x * sum_j q_x[j], mins)
+ * and out = acc + mins. Each output element is computed by one thread in this order whatever the number of rows M,
+ * the other rows or the thread count: a row's result never depends on its batch (batch invariance).
+ *
+ * Two bodies: the portable one (plain C, the reference) and the AVX2 + FMA + F16C one; the tests hold the second
+ * to the first bit for bit. Built at first use by execution/cpu_kernels.py with the flags this CPU has.
+ *
+ * Also here: `vs_attention`, fp32 attention of a few query rows over their keys (see there).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VS_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define QK 32
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+/* bytes of one x8 tile (8 rows x 32 elements) */
+int vs_tile_bytes(int kind) { return kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : kind == Q8_0 ? 272 : -1; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000 | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal half: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x [M, K] (float32, or bfloat16 when x_bf16) -> q [M, K] int8, s [M, K/32] scales, ss [M, K/32] s * sum(q) */
+void vs_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *q, float *s, float *ss) {
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float v[QK];
+            const int64_t i0 = r * K + b * QK;
+            for (int j = 0; j < QK; j++)
+                v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i0 + j]) : ((const float *)x)[i0 + j];
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+            const float d = amax / 127.0f;
+            const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < QK; j++) {
+                const int qj = (int)nearbyintf(v[j] * inv);
+                q[i0 + j] = (int8_t)qj;
+                sum += qj;
+            }
+            s[r * nb + b] = d;
+            ss[r * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+static inline void store(void *out, int out_bf16, int64_t i, float v) {
+    if (out_bf16) ((uint16_t *)out)[i] = f32_to_bf16(v);
+    else ((float *)out)[i] = v;
+}
+
+static inline float hsum8(const float *l) { /* 8 lanes added in one fixed order */
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+typedef struct {
+    const int8_t *q; /* [M, K] */
+    const float *s;  /* [M, K/32] */
+    const float *ss; /* [M, K/32] */
+} qrows;
+
+/* element j of row i of an x8 tile's quants */
+static inline int32_t tile_quant(const uint8_t *qs, int kind, int i, int j) {
+    if (kind == Q8_0) return (int8_t)qs[(j / 4) * 32 + i * 4 + j % 4];
+    const int jj = j & 15; /* nibble byte */
+    const uint8_t byte = qs[(jj / 4) * 32 + i * 4 + jj % 4];
+    return j < 16 ? (byte & 15) : (byte >> 4);
+}
+
+static inline float tile_half(const uint8_t *p, int i) { uint16_t h; memcpy(&h, p + 2 * i, 2); return f16_to_f32(h); }
+
+/* --- the portable body: the reference arithmetic --- */
+static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
+                     int out_bf16, int nthreads) {
+    const int64_t nb = K / QK, tb = vs_tile_bytes(kind), qoff = kind == Q4_1 ? 32 : 16;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const int i = (int)(n % 8);
+        for (int64_t r = 0; r < M; r++) {
+            float acc = 0.0f, mins = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *t = w + ((n / 8) * nb + b) * tb;
+                const int8_t *qx = x->q + r * K + b * QK;
+                int32_t sum = 0;
+                for (int j = 0; j < QK; j++) sum += tile_quant(t + qoff, kind, i, j) * (int32_t)qx[j];
+                const float d = tile_half(t, i), sx = x->s[r * nb + b];
+                acc = fmaf((float)sum, d * sx, acc);
+                if (kind != Q8_0) mins = fmaf(kind == Q4_1 ? tile_half(t + 16, i) : -8.0f * d, x->ss[r * nb + b], mins);
+            }
+            store(out, out_bf16, r * N + n, acc + mins);
+        }
+    }
+}
+
+#ifdef VS_AVX2
+/* one activation row against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows' block sums. 4-bit:
+ * maddubs (unsigned w x signed x, neighbours added into int16) of all 8 groups summed in int16 (at most
+ * 8 * 2 * 15 * 127 = 30480), then one madd with ones. 8-bit: |w| against sign(w) x, each group madd'ed alone
+ * (2 * 128 * 127 leaves no int16 room) */
+static inline __m256i tile_dot(const __m256i *wv, const __m256i *wabs, const int8_t *xb, int kind) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (kind != Q8_0) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            int32_t xg;
+            memcpy(&xg, xb + 4 * g, 4);
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[g], _mm256_set1_epi32(xg)));
+        }
+        return _mm256_madd_epi16(s16, ones);
+    }
+    __m256i s32 = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        int32_t xg;
+        memcpy(&xg, xb + 4 * g, 4);
+        const __m256i p = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(_mm256_set1_epi32(xg), wv[g]));
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
+    }
+    return s32;
+}
+
+static inline void store8(void *out, int out_bf16, int64_t i, int64_t N, int64_t n0, __m256 v) {
+    float l[8];
+    _mm256_storeu_ps(l, v);
+    const int n = (int)(N - n0 < 8 ? N - n0 : 8);
+    if (!out_bf16 && n == 8) { _mm256_storeu_ps((float *)out + i, v); return; }
+    for (int k = 0; k < n; k++) store(out, out_bf16, i + k, l[k]);
+}
+
+#define RT 2 /* activation rows per pass over a tile row */
+
+static inline __attribute__((always_inline)) void group(const uint8_t *w, const int kind, const qrows *x,
+        int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16) {
+    const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
+    for (int64_t r0 = 0; r0 < M; r0 += RT) {
+        const int rt = M - r0 < RT ? (int)(M - r0) : RT;
+        __m256 acc[RT], mins[RT];
+        for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *tp = w + (g * nb + b) * tb;
+            __m256i wv[8], wabs[8];
+            if (kind == Q8_0) {
+                for (int k = 0; k < 8; k++) {
+                    wv[k] = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
+                    wabs[k] = _mm256_sign_epi8(wv[k], wv[k]);
+                }
+            } else {
+                const __m256i lo = _mm256_set1_epi8(15);
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
+                    wv[k] = _mm256_and_si256(v, lo);
+                    wv[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tp));
+            const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tp + 16)))
+                                          : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            for (int t = 0; t < rt; t++) {
+                const int64_t rb = (r0 + t) * nb + b;
+                const __m256i sum = tile_dot(wv, wabs, x->q + (r0 + t) * K + b * QK, kind);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb])), acc[t]);
+                if (kind != Q8_0) mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t]);
+            }
+        }
+        for (int t = 0; t < rt; t++)
+            store8(out, out_bf16, (r0 + t) * N + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
+    }
+}
+
+static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
+                      int out_bf16, int nthreads) {
+    const int64_t groups = (N + 7) / 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t g = 0; g < groups; g++) {
+        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, out, out_bf16);
+        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, out, out_bf16);
+        else group(w, Q8_0, x, M, N, K, g, out, out_bf16);
+    }
+}
+#endif
+
+/* --- attention of a few query rows over their keys, fp32 (the CPU cache's dtype) ---
+ * per (batch b, row m): s_l = dot(q, k_l) * scale + bias_l; p_l = exp(s_l - max s); out = sum_l (p_l / sum p) v_l,
+ * keys with p_l = 0 (masked: -inf) skipped. dot: element i in lane i % 8, fma in order, the lanes added as hsum8;
+ * exp: `vexp` below; sums over l in order. A row's result depends on its own q, visible keys, values and bias
+ * only: not on the other rows, nor on how many masked keys pad its key range. */
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial on r = x - n ln 2, n = round(x / ln 2)); 0 below -87 */
+#define EXP_C0 1.9875691500e-4f
+#define EXP_C1 1.3981999507e-3f
+#define EXP_C2 8.3334519073e-3f
+#define EXP_C3 4.1665795894e-2f
+#define EXP_C4 1.6666665459e-1f
+#define EXP_C5 5.0000001201e-1f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define LOG2E 1.44269504088896341f
+
+static inline float exp_neg(float x) {
+    if (!(x >= -87.0f)) return 0.0f;
+    const float n = nearbyintf(x * LOG2E);
+    float r = fmaf(n, -LN2_HI, x);
+    r = fmaf(n, -LN2_LO, r);
+    float p = EXP_C0;
+    p = fmaf(p, r, EXP_C1); p = fmaf(p, r, EXP_C2); p = fmaf(p, r, EXP_C3);
+    p = fmaf(p, r, EXP_C4); p = fmaf(p, r, EXP_C5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
+    float two;
+    memcpy(&two, &e, 4);
+    return y * two;
+}
+
+#ifdef VS_AVX2
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* lanes below are zeroed at the end */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_C0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C1)); p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3)); p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+static inline float hsum8v(__m256 v) { /* hsum8's order: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) */
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l0+l4 .. l3+l7 */
+    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a)); /* (l0+l4)+(l2+l6), (l1+l5)+(l3+l7) */
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#endif
+
+static inline float dot8(const float *a, const float *b, int64_t n) {
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++) l[i & 7] = fmaf(a[i], b[i], l[i & 7]);
+    return hsum8(l);
+}
+
+/* scores of M rows against one batch's keys into s [M, L]: the portable body */
+static void scores_ref(const float *q, int64_t qm, const float *k, int64_t kl, const float *br, int64_t bm,
+                       int64_t M, int64_t L, int64_t hd, float scale, float *s) {
+    for (int64_t l = 0; l < L; l++)
+        for (int64_t m = 0; m < M; m++) {
+            float v = dot8(q + m * qm, k + l * kl, hd) * scale;
+            s[m * L + l] = br ? v + br[m * bm + l] : v;
+        }
+}
+
+#ifdef VS_AVX2
+static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, const float *br, int64_t bm,
+                        int64_t M, int64_t L, int64_t hd, float scale, float *s) {
+    int64_t l = 0;
+    for (; l + 4 <= L; l += 4) { /* four keys at once: four independent fma chains, each in dot8's order */
+        const float *k0 = k + l * kl, *k1 = k0 + kl, *k2 = k1 + kl, *k3 = k2 + kl;
+        for (int64_t m = 0; m < M; m++) {
+            const float *qr = q + m * qm;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < hd; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qr + i);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+            }
+            const float *bias_m = br ? br + m * bm + l : NULL;
+            const float v[4] = {hsum8v(a0) * scale, hsum8v(a1) * scale, hsum8v(a2) * scale, hsum8v(a3) * scale};
+            for (int j = 0; j < 4; j++) s[m * L + l + j] = bias_m ? v[j] + bias_m[j] : v[j];
+        }
+    }
+    for (; l < L; l++) {
+        const float *kr = k + l * kl;
+        for (int64_t m = 0; m < M; m++) {
+            const float *qr = q + m * qm;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
+            const float v = hsum8v(acc) * scale;
+            s[m * L + l] = br ? v + br[m * bm + l] : v;
+        }
+    }
+}
+#endif
+
+/* q [B, M, hd] (strides qb, qm), k and v [B, L, hd] (strides kb, kl and vb, vl), bias [B?, M?, L] or NULL
+ * (strides bb, bm; 0 where broadcast), out [B, M, hd] contiguous; the last dimension of each is contiguous.
+ * ref: the portable body. Returns 0, or -2 without memory. */
+int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t kb, int64_t kl, const float *v,
+                 int64_t vb, int64_t vl, const float *bias, int64_t bb, int64_t bm, int64_t B, int64_t M, int64_t L,
+                 int64_t hd, float scale, float *out, int nthreads, int ref) {
+    int failed = 0;
+#ifdef VS_AVX2
+    const int vec = !ref && hd % 8 == 0;
+#else
+    const int vec = 0;
+    (void)ref;
+    (void)vec;
+#endif
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * M * L * hd > (1 << 20))
+    for (int64_t b = 0; b < B; b++) {
+        float *s = malloc((size_t)(M * L + M) * sizeof(float));
+        if (!s) { failed = 1; continue; }
+        float *inv = s + M * L;
+        const float *qb_ = q + b * qb, *kb_ = k + b * kb, *vb_ = v + b * vb, *br = bias ? bias + b * bb : NULL;
+#ifdef VS_AVX2
+        if (vec) scores_avx2(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s);
+        else
+#endif
+            scores_ref(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s);
+        for (int64_t m = 0; m < M; m++) { /* p = exp(s - max), 1 / sum p */
+            float *sr = s + m * L, mx = -INFINITY, den = 0.0f;
+            for (int64_t l = 0; l < L; l++) mx = fmaxf(mx, sr[l]);
+            int64_t l = 0;
+            if (mx == -INFINITY) { /* nothing visible: zeros */
+                for (; l < L; l++) sr[l] = 0.0f;
+                inv[m] = 0.0f;
+                continue;
+            }
+#ifdef VS_AVX2
+            for (; vec && l + 8 <= L; l += 8)
+                _mm256_storeu_ps(sr + l, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sr + l), _mm256_set1_ps(mx))));
+#endif
+            for (; l < L; l++) sr[l] = exp_neg(sr[l] - mx);
+            for (l = 0; l < L; l++) den += sr[l];
+            inv[m] = 1.0f / den;
+        }
+        float *o = out + b * M * hd;
+        for (int64_t i = 0; i < M * hd; i++) o[i] = 0.0f;
+        for (int64_t l = 0; l < L; l++) { /* out_m += (p_ml / sum p_m) v_l, l in order, masked keys skipped */
+            const float *vr = vb_ + l * vl;
+            for (int64_t m = 0; m < M; m++) {
+                const float p = s[m * L + l];
+                if (p == 0.0f) continue;
+                const float a = p * inv[m];
+                float *om = o + m * hd;
+                int64_t i = 0;
+#ifdef VS_AVX2
+                const __m256 av = _mm256_set1_ps(a);
+                for (; vec && i < hd; i += 8)
+                    _mm256_storeu_ps(om + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(om + i)));
+#endif
+                for (; i < hd; i++) om[i] = fmaf(a, vr[i], om[i]);
+            }
+        }
+        free(s);
+    }
+    return failed ? -2 : 0;
+}
+
+/* whether this build has the AVX2 body */
+int vs_has_avx2(void) {
+#ifdef VS_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [M, N] = x [M, K] times the weight's transpose. w: the x8 tiles of an [N, K] weight of `kind`
+ * ([ceil(N / 8), K / 32] tiles; rows past N are padding); x float32 or bfloat16 (x_bf16), out float32 or
+ * bfloat16 (out_bf16). use_ref: the portable body. Returns 0, -1 for a bad kind or K, -2 without memory. */
+int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, void *out,
+              int out_bf16, int nthreads, int use_ref) {
+    if (vs_tile_bytes(kind) < 0 || K % QK) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t nb = K / QK;
+    void *scratch = malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    if (!scratch) return -2;
+    float *s = (float *)scratch, *ss = s + M * nb;
+    int8_t *q = (int8_t *)(ss + M * nb);
+    vs_quantize_rows(x, x_bf16, M, K, q, s, ss);
+    const qrows rows = {q, s, ss};
+#ifdef VS_AVX2
+    if (!use_ref) gemm_avx2(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
+    else
+#endif
+        gemm_ref(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
+    (void)use_ref;
+    free(scratch);
+    return 0;
+}

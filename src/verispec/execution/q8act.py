@@ -1,0 +1,93 @@
+"""A kernel path: a GGUF file's own weight blocks (Q4_0, Q4_1, Q8_0) times activations quantised to int8 per
+block of 32, on verispec's own CPU kernel (csrc/cpu.c, built by execution/cpu_kernels.py). This is the
+arithmetic llama.cpp runs on a CPU: the weights are exactly the file's, the activations are rounded to 8 bits
+with one scale per 32 values of a row, and the products are summed in integers. A row's result depends on that
+row alone (per-row, per-block scales; a fixed order per output), so it is batch-invariant by construction.
+
+The blocks are kept byte for byte; only their order changes: eight output rows are interleaved per block
+("x8" tiles, see the C source) so that one vector's lanes are eight outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from verispec.execution.cpu_kernels import KINDS, load
+
+BLOCK = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF's block sizes
+ROWS = 8  # output rows interleaved per tile
+
+
+def tile_rows(raw: np.ndarray, kind: str) -> np.ndarray:
+    """raw: uint8 [N, K/32 * block bytes], GGUF's blocks row by row -> x8 tiles [ceil(N/8), K/32, tile bytes]:
+    per tile the 8 rows' d (fp16 x 8), then m (Q4_1), then the quants in 8 groups of [row][4 bytes] (for 4-bit
+    weights, groups of nibble bytes 4g..4g+3, g < 4). Rows past N are zero."""
+    size = BLOCK_BYTES[kind]
+    n, width = raw.shape
+    if width % size:
+        raise ValueError(f"{kind}: rows of {width} bytes are not whole {size}-byte blocks")
+    nb = width // size
+    padded = np.zeros((-(-n // ROWS) * ROWS, width), np.uint8)
+    padded[:n] = raw
+    b = padded.reshape(-1, ROWS, nb, size).transpose(0, 2, 1, 3)  # [G, nb, 8, size]
+    lead = [b[..., 0:2].reshape(*b.shape[:2], 2 * ROWS)]
+    if kind == "Q4_1":
+        lead.append(b[..., 2:4].reshape(*b.shape[:2], 2 * ROWS))
+    qs = b[..., 4 if kind == "Q4_1" else 2 :]  # [G, nb, 8, 16 or 32]
+    groups = qs.shape[-1] // 4
+    quants = qs.reshape(*b.shape[:2], ROWS, groups, 4).transpose(0, 1, 3, 2, 4).reshape(*b.shape[:2], -1)
+    return np.ascontiguousarray(np.concatenate([*lead, quants], -1))
+
+
+class Q8ActWeight(nn.Module):
+    """An [N, K] weight in GGUF blocks, multiplied with int8-quantised activations: `matmul(x [M, K]) -> [M, N]`
+    in x's dtype (float32 or bfloat16). An `nn.Module` with one uint8 buffer, so it stands where a layer had a
+    weight parameter."""
+
+    def __init__(self, raw: np.ndarray | torch.Tensor, kind: str, n: int, k: int) -> None:
+        """raw: uint8 [N, K/32 * block bytes], the GGUF tensor's rows (already in the model's row order)."""
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unsupported block format {kind!r}; supported: {', '.join(KINDS)}")
+        raw = np.asarray(raw, dtype=np.uint8)
+        if raw.shape != (n, k // BLOCK * BLOCK_BYTES[kind]) or k % BLOCK:
+            raise ValueError(f"{kind} weight [{n}, {k}]: got raw rows {raw.shape}")
+        self.kind, self.n, self.k = kind, n, k
+        load()  # built (or found) now, so a missing compiler fails at load time, not mid-forward
+        self.register_buffer("tiles", torch.from_numpy(tile_rows(raw, kind)))
+
+    @classmethod
+    def stacked(cls, parts: Sequence[tuple[np.ndarray, str]], k: int) -> Q8ActWeight:
+        """Weights of one format stacked along N (e.g. q, k, v): parts of (raw rows, kind)."""
+        kinds = {kind for _, kind in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"stacked parts must share one block format, got {sorted(kinds)}")
+        raw = np.concatenate([np.asarray(r, np.uint8) for r, _ in parts])
+        return cls(raw, kinds.pop(), raw.shape[0], k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    def matmul(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """x: [M, K] float32 / bfloat16 on CPU -> [M, N] in x's dtype. `reference`: the portable C body."""
+        if x.device.type != "cpu":
+            raise NotImplementedError("Q8ActWeight runs verispec's CPU kernel only")
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"q8act matmul: x {tuple(x.shape)} does not match the weight {self.shape}")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        load().linear(self.tiles, self.kind, self.n, self.k, x, out, reference)
+        return out
+
+    forward = matmul
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, kind={self.kind}, int8 activations per {BLOCK}"
