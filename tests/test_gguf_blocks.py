@@ -83,6 +83,29 @@ def test_read_blocks_from_a_written_gguf_file(tmp_path) -> None:
         assert _bits_equal(b.dequantize(), ref)
     with pytest.raises(KeyError):
         read_blocks(path, "missing")
+    _check_index(path, tmp_path / "cache")
+
+
+def _check_index(path, cache) -> None:
+    """The cached tensor table gives gguf's own view of every tensor, and a second process reads it from disk."""
+    from verispec.models import gguf_index
+    from verispec.models.gguf_index import GGUFIndex
+
+    reader = GGUFReader(str(path))
+    index = GGUFIndex.open(path, cache=cache)
+    assert index.arch == "llama" and set(index.tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        assert index.entry(t.name).kind == GGMLQuantizationType(t.tensor_type).name
+        assert index.entry(t.name).shape == tuple(int(x) for x in t.shape)
+        assert np.array_equal(index.data(t.name), np.asarray(t.data).reshape(-1).view(np.uint8))
+    gguf_index._open.cache_clear()  # as a new process would: from the JSON, never parsing the file again
+    real_parse = gguf_index._parse
+    gguf_index._parse = lambda p: pytest.fail("parsed the file although its index was cached")
+    try:
+        again = GGUFIndex.open(path, cache=cache)
+    finally:
+        gguf_index._parse = real_parse
+    assert again == index
 
 
 # ---- the real default-model GGUF ---------------------------------------------------------------------------------

@@ -49,12 +49,11 @@ def _ids(llm, text: str) -> list[int]:
 
 @pytest.mark.slow
 def test_packed_blocks_are_the_dense_loaders_weights(quantized) -> None:
-    from gguf import GGUFReader
-
+    from verispec.models.gguf_index import GGUFIndex
     from verispec.models.loader import load_state_dict
 
     sd = load_state_dict(quantized.resolved.directory)  # transformers' GGUF conversion, float32
-    reader = GGUFReader(str(quantized.resolved.gguf))
+    reader = GGUFIndex.open(quantized.resolved.gguf)
     hf = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
           "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
     for i in (0, 17, 29):

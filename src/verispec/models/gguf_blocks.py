@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
+from verispec.models.gguf_index import GGUFIndex
+
 BLOCK = 32  # elements per block, along K
 # format name -> (bytes per block, whether the block stores a min m after d)
 FORMATS: dict[str, tuple[int, bool]] = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}
@@ -75,31 +77,42 @@ def unpack(raw: np.ndarray, kind: str) -> Blocks:
     return Blocks(kind, q.reshape(n, -1), d, m)
 
 
-def tensor_kind(reader: GGUFReader, name: str) -> str:
-    """The GGML type name of tensor `name` ("Q4_1", "F32", ...)."""
-    return GGMLQuantizationType(_tensor(reader, name).tensor_type).name
+def tensor_kind(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -> str:
+    """The GGML type name of tensor `name` ("Q4_1", "F32", ...). `source`: an open reader, an index, or a path
+    (read through its cached index, models/gguf_index.py)."""
+    if isinstance(source, GGUFReader):
+        return GGMLQuantizationType(_tensor(source, name).tensor_type).name
+    return _index(source).entry(name).kind
 
 
-def raw_rows(source: GGUFReader | str | os.PathLike, name: str) -> tuple[np.ndarray, str, int]:
+def raw_rows(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -> tuple[np.ndarray, str, int]:
     """Tensor `name` of a GGUF file as stored: (uint8 [N, K / 32 * block bytes] rows of blocks, its GGML type
     name, K). Only for block formats (FORMATS)."""
-    reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
-    t = _tensor(reader, name)
-    kind = GGMLQuantizationType(t.tensor_type).name
+    if isinstance(source, GGUFReader):
+        t = _tensor(source, name)
+        kind, shape, data = GGMLQuantizationType(t.tensor_type).name, tuple(int(x) for x in t.shape), t.data
+    else:
+        index = _index(source)
+        e = index.entry(name)
+        kind, shape, data = e.kind, e.shape, index.data(name) if e.kind in FORMATS else None
     if kind not in FORMATS:
         raise ValueError(f"{name} is {kind}; block formats: {', '.join(FORMATS)}")
-    k = int(t.shape[0])  # GGUF's ne: innermost (K) first
-    n = int(np.prod(t.shape[1:]))
-    return np.asarray(t.data).reshape(n, -1), kind, k
+    k = shape[0]  # GGUF's ne: innermost (K) first
+    n = int(np.prod(shape[1:]))
+    return np.asarray(data).reshape(n, -1), kind, k
 
 
-def read_blocks(source: GGUFReader | str | os.PathLike, name: str) -> Blocks:
-    """Tensor `name` of a GGUF file (a path or an open reader) as `Blocks` in its logical [N, K] layout."""
+def read_blocks(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -> Blocks:
+    """Tensor `name` of a GGUF file (a path, an index or an open reader) as `Blocks` in its logical [N, K] layout."""
     raw, kind, k = raw_rows(source, name)
     blocks = unpack(raw, kind)
     if blocks.shape != (raw.shape[0], k):
         raise ValueError(f"{name}: unpacked {blocks.shape}, expected {(raw.shape[0], k)}")
     return blocks
+
+
+def _index(source: GGUFIndex | str | os.PathLike) -> GGUFIndex:
+    return source if isinstance(source, GGUFIndex) else GGUFIndex.open(source)
 
 
 def _tensor(reader: GGUFReader, name: str):

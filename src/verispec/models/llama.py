@@ -219,7 +219,10 @@ class LlamaModel(nn.Module):
 
     def set_rope_length(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0 .. n-1, in fp32 on the embedding's device (or meta)."""
-        cos, sin = rope_tables(self.cfg, n, device=self.embed.device if not self.embed.is_meta else "meta")
+        if self.embed.is_meta:  # shapes only: math on meta tensors would import torch._dynamo (~2 s) for nothing
+            cos = sin = torch.empty(n, self.cfg.head_dim, device="meta")
+        else:
+            cos, sin = rope_tables(self.cfg, n, device=self.embed.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [n, head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
         self._rope_cast = None

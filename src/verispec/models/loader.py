@@ -195,14 +195,12 @@ def gguf_has_int4_linears(resolved: ResolvedModel) -> bool:
     """Whether the model is a GGUF whose first layer's linears are Q4_0 / Q4_1 (what quantization="gguf" runs)."""
     if resolved.gguf is None:
         return False
-    from gguf import GGUFReader
+    from verispec.models.gguf_index import GGUFIndex
 
-    from verispec.models.gguf_blocks import tensor_kind
-
-    reader = GGUFReader(str(resolved.gguf))
+    reader = GGUFIndex.open(resolved.gguf)
     names = [f"blk.0.{p}.weight" for p in ("attn_q", "attn_output", "ffn_gate", "ffn_down")]
     try:
-        return all(tensor_kind(reader, n) in ("Q4_0", "Q4_1") for n in names)
+        return all(reader.entry(n).kind in ("Q4_0", "Q4_1") for n in names)
     except KeyError:
         return False
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from gguf import GGUFReader
 
 from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
 from verispec.models.gguf_blocks import FORMATS, Blocks, raw_rows, read_blocks, tensor_kind
+from verispec.models.gguf_index import GGUFIndex
 from verispec.models.llama import LlamaModel
 
 INT4_KINDS = ("Q4_0", "Q4_1")
@@ -35,10 +35,10 @@ def unpermute_rows(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def layer_blocks(reader: GGUFReader, model: LlamaModel, index: int) -> dict[str, list[Blocks]]:
+def layer_blocks(reader: GGUFIndex, model: LlamaModel, index: int) -> dict[str, list[Blocks]]:
     """Layer `index`'s fused weights whose parts are all Q4_0 / Q4_1: name -> the parts' `Blocks` in the dense
     model's row order."""
-    cfg, permuted = model.cfg, _arch(reader) == "llama"
+    cfg, permuted = model.cfg, reader.arch == "llama"
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     out: dict[str, list[Blocks]] = {}
     for fused, parts in FUSED.items():
@@ -56,7 +56,7 @@ def layer_blocks(reader: GGUFReader, model: LlamaModel, index: int) -> dict[str,
 def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s Q4_0 / Q4_1 linears (a bf16 CPU model loaded from `gguf_path`) with `Int4Weight`s, in
     place. Returns how many were replaced."""
-    reader = GGUFReader(str(gguf_path))
+    reader = GGUFIndex.open(gguf_path)
     replaced = 0
     for i, layer in enumerate(model.layers):
         for name, blocks in layer_blocks(reader, model, i).items():
@@ -80,8 +80,8 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     from verispec.execution.cpu_kernels import load
     from verispec.execution.q8act import Q8ActWeight
 
-    reader = GGUFReader(str(gguf_path))
-    cfg, permuted = model.cfg, _arch(reader) == "llama"
+    reader = GGUFIndex.open(gguf_path)
+    cfg, permuted = model.cfg, reader.arch == "llama"
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     replaced = 0
     for i, layer in enumerate(model.layers):
@@ -108,10 +108,3 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     model.attention_kernel = load().attention  # the path's attention: verispec's fp32 kernel
     model.batch_invariant = True  # every row computes alone in this kernel; attention follows suit
     return replaced
-
-
-def _arch(reader: GGUFReader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode()
