@@ -53,14 +53,17 @@ class Library:
         return f"{body} body, {'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}"
 
     def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
-               reference: bool = False) -> None:
-        """out [M, N] = x [M, K] times the packed [N, K] weight's transpose (execution/q8act.py's layout).
-        x and out: contiguous CPU float32 or bfloat16. `reference`: the portable body."""
-        rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), int(x.dtype == torch.bfloat16),
-                                x.shape[0], out.data_ptr(), int(out.dtype == torch.bfloat16),
-                                torch.get_num_threads(), int(reference))
+               reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
+               residual: torch.Tensor | None = None) -> None:
+        """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (execution/q8act.py's layout), plus
+        `residual` (float32 [M, N]) when given; x' = x, or RMSNorm(x) * norm (float32 [K]) with `eps` when `norm`
+        is given. x and out: contiguous CPU float32 or bfloat16. `reference`: the portable body."""
+        rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), x.dtype == torch.bfloat16,
+                                x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(),
+                                reference, None if norm is None else norm.data_ptr(), eps,
+                                None if residual is None else residual.data_ptr())
         if rc:
-            raise RuntimeError(f"vs_linear failed ({'bad shape or kind' if rc == -1 else 'out of memory'})")
+            raise RuntimeError(f"vs_linear failed ({'bad shape, kind or residual' if rc == -1 else 'out of memory'})")
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                   reference: bool = False) -> torch.Tensor:
@@ -152,7 +155,7 @@ def load(cache: Path | None = None) -> Library:
     except OSError as e:
         raise KernelUnavailable(f"built {out} but could not load it: {e}") from e
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32]
+    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p]
     lib.vs_linear.restype = i32
     lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
                                  ctypes.c_float, p, i32, i32]

@@ -113,10 +113,26 @@ def _linear(h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
     return y if b is None else (y.add_(b) if y.dtype == b.dtype else y + b)
 
 
+def _fuses(w: Weight) -> bool:
+    """Whether w is a kernel module that takes the input's RMSNorm and the residual into its call."""
+    return not isinstance(w, torch.Tensor) and getattr(type(w), "fuses_norm", False)
+
+
+def _norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """rms_norm(x: [N, in]) W^T (+ b): [N, out]. A kernel module that normalises as it reads its input (execution/
+    q8act.py, fp32) does both in one call, with its own arithmetic for the norm."""
+    if b is None and _fuses(w) and x.dtype is torch.float32 and norm.dtype is torch.float32:
+        return w.matmul(x, norm=norm, eps=eps)  # type: ignore[operator]
+    return _linear(rms_norm(x, norm, eps), w, b)
+
+
 def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when W is a tensor and there is no bias."""
+    """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when W is a tensor and there is no bias (or one kernel call
+    that adds the residual as it writes, for a kernel module that does)."""
     if b is None and isinstance(w, torch.Tensor):
         return torch.addmm(x, h, w.t())
+    if b is None and _fuses(w) and x.dtype is torch.float32 and h.dtype is torch.float32:
+        return w.matmul(h, residual=x)  # type: ignore[operator]
     y = _linear(h, w, b)  # a new tensor: add the residual in place (x + y == y + x)
     return y.add_(x) if y.dtype == x.dtype else x + y
 
@@ -156,7 +172,7 @@ class Layer(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
         n, H, K, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear(rms_norm(x, self.attn_norm, self.eps), self.qkv, self.qkv_bias).view(n, H + 2 * K, hd)
+        qkv = _norm_linear(x, self.attn_norm, self.eps, self.qkv, self.qkv_bias).view(n, H + 2 * K, hd)
         if self.q_norm is None:  # rotate q and k together: [N, H + K, hd]
             qk = apply_rope(qkv[:, : H + K], cos, sin)
             return qk[:, :H], qk[:, H:], qkv[:, H + K :]
@@ -194,7 +210,7 @@ class Layer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
-        gate, up = _linear(rms_norm(x, self.mlp_norm, self.eps), self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = _norm_linear(x, self.mlp_norm, self.eps, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
         return _residual_linear(x, F.silu(gate).mul_(up), self.down, self.down_bias)  # gate, up: [N, I] each
 
 

@@ -176,44 +176,48 @@ static inline void store8(void *out, int out_bf16, int64_t i, int64_t N, int64_t
     for (int k = 0; k < n; k++) store(out, out_bf16, i + k, l[k]);
 }
 
-#define RT 2 /* activation rows per pass over a tile row */
+/* RT activation rows (RT a constant: the accumulators stay in registers) against one row of 8-row tiles */
+static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, const int kind, const qrows *x,
+        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, void *out, int out_bf16) {
+    const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
+    __m256 acc[4], mins[4];
+    for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tp = w + (g * nb + b) * tb;
+        __m256i wv[8], wabs[8];
+        if (kind == Q8_0) {
+            for (int k = 0; k < 8; k++) {
+                wv[k] = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
+                wabs[k] = _mm256_sign_epi8(wv[k], wv[k]);
+            }
+        } else {
+            const __m256i lo = _mm256_set1_epi8(15);
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
+                wv[k] = _mm256_and_si256(v, lo);
+                wv[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tp));
+        const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tp + 16)))
+                                      : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int t = 0; t < RT; t++) {
+            const int64_t rb = (r0 + t) * nb + b;
+            const __m256i sum = tile_dot(wv, wabs, x->q + (r0 + t) * K + b * QK, kind);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb])), acc[t]);
+            if (kind != Q8_0) mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t]);
+        }
+    }
+    for (int t = 0; t < RT; t++)
+        store8(out, out_bf16, (r0 + t) * N + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
+}
 
 static inline __attribute__((always_inline)) void group(const uint8_t *w, const int kind, const qrows *x,
         int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16) {
-    const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
-    for (int64_t r0 = 0; r0 < M; r0 += RT) {
-        const int rt = M - r0 < RT ? (int)(M - r0) : RT;
-        __m256 acc[RT], mins[RT];
-        for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *tp = w + (g * nb + b) * tb;
-            __m256i wv[8], wabs[8];
-            if (kind == Q8_0) {
-                for (int k = 0; k < 8; k++) {
-                    wv[k] = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
-                    wabs[k] = _mm256_sign_epi8(wv[k], wv[k]);
-                }
-            } else {
-                const __m256i lo = _mm256_set1_epi8(15);
-                for (int k = 0; k < 4; k++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
-                    wv[k] = _mm256_and_si256(v, lo);
-                    wv[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
-                }
-            }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tp));
-            const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tp + 16)))
-                                          : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-            for (int t = 0; t < rt; t++) {
-                const int64_t rb = (r0 + t) * nb + b;
-                const __m256i sum = tile_dot(wv, wabs, x->q + (r0 + t) * K + b * QK, kind);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb])), acc[t]);
-                if (kind != Q8_0) mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t]);
-            }
-        }
-        for (int t = 0; t < rt; t++)
-            store8(out, out_bf16, (r0 + t) * N + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
-    }
+    int64_t r0 = 0;
+    for (; r0 + 4 <= M; r0 += 4) tile_rows(w, kind, x, N, K, g, r0, 4, out, out_bf16);
+    if (r0 + 2 <= M) { tile_rows(w, kind, x, N, K, g, r0, 2, out, out_bf16); r0 += 2; }
+    if (r0 < M) tile_rows(w, kind, x, N, K, g, r0, 1, out, out_bf16);
 }
 
 static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
@@ -407,19 +411,43 @@ int vs_has_avx2(void) {
 #endif
 }
 
-/* out [M, N] = x [M, K] times the weight's transpose. w: the x8 tiles of an [N, K] weight of `kind`
- * ([ceil(N / 8), K / 32] tiles; rows past N are padding); x float32 or bfloat16 (x_bf16), out float32 or
- * bfloat16 (out_bf16). use_ref: the portable body. Returns 0, -1 for a bad kind or K, -2 without memory. */
+/* rows of x [M, K] (float32, or bfloat16 when x_bf16) RMS-normalised and scaled: out = (x * r) * w with
+ * r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes (element j in lane j % 8, fma in order, hsum8) */
+static void rms_norm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const float *w, float eps, float *out) {
+    for (int64_t r = 0; r < M; r++) {
+        float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        float *o = out + r * K;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t i = r * K + j;
+            o[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            l[j & 7] = fmaf(o[j], o[j], l[j & 7]);
+        }
+        const float inv = 1.0f / sqrtf(hsum8(l) / (float)K + eps);
+        for (int64_t j = 0; j < K; j++) o[j] = (o[j] * inv) * w[j];
+    }
+}
+
+/* out [M, N] = x' [M, K] times the weight's transpose (+ residual). w: the x8 tiles of an [N, K] weight of `kind`
+ * ([ceil(N / 8), K / 32] tiles; rows past N are padding); x float32 or bfloat16 (x_bf16); x' = x, or x RMS-
+ * normalised with weights norm_w [K] and eps when norm_w is not NULL; out float32 or bfloat16 (out_bf16);
+ * residual: NULL or float32 [M, N] added to out (float32 out only). use_ref: the portable body.
+ * Returns 0, -1 for a bad kind, K or residual, -2 without memory. */
 int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, void *out,
-              int out_bf16, int nthreads, int use_ref) {
-    if (vs_tile_bytes(kind) < 0 || K % QK) return -1;
+              int out_bf16, int nthreads, int use_ref, const float *norm_w, float eps, const float *residual) {
+    if (vs_tile_bytes(kind) < 0 || K % QK || (residual && out_bf16)) return -1;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
-    void *scratch = malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    const int64_t normed = norm_w ? M * K : 0;
+    void *scratch = malloc((size_t)((normed + 2 * M * nb) * (int64_t)sizeof(float) + M * K));
     if (!scratch) return -2;
-    float *s = (float *)scratch, *ss = s + M * nb;
-    int8_t *q = (int8_t *)(ss + M * nb);
-    vs_quantize_rows(x, x_bf16, M, K, q, s, ss);
+    float *s = (float *)scratch, *ss = s + M * nb, *xn = ss + M * nb;
+    int8_t *q = (int8_t *)(xn + normed);
+    if (norm_w) {
+        rms_norm_rows(x, x_bf16, M, K, norm_w, eps, xn);
+        vs_quantize_rows(xn, 0, M, K, q, s, ss);
+    } else {
+        vs_quantize_rows(x, x_bf16, M, K, q, s, ss);
+    }
     const qrows rows = {q, s, ss};
 #ifdef VS_AVX2
     if (!use_ref) gemm_avx2(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
@@ -427,6 +455,8 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
 #endif
         gemm_ref(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
     (void)use_ref;
+    if (residual)
+        for (int64_t i = 0; i < M * N; i++) ((float *)out)[i] += residual[i];
     free(scratch);
     return 0;
 }
