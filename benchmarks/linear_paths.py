@@ -6,6 +6,8 @@ times 30 layers, with the real weights of the default GGUF (Q4_1 blocks). Paths:
   dense bf16     F.linear on the same weights rounded to bf16
   int4 bf16      execution/int4.py's Int4Weight from the GGUF's own Q4_1 blocks (no requantisation)
   int8 bf16      aten._weight_int8pack_mm, weights requantised per output channel (lossy; a timing reference)
+  q8act fp32     execution/q8act.py's Q8ActWeight: the GGUF's own blocks on verispec's CPU kernel, activations rounded
+                 to int8 per 32 values (the gguf-q8act path; skipped where the kernel cannot be built)
 Per M, the paths run interleaved (order rotated every repeat); the table gives the median ms of one pass over all
 120 linears, cost(M)/cost(1) and the ratio to dense fp32 at the same M. The batch-invariance table gives, per path,
 the max |diff| between a row's output alone and the same row inside a batch of M other random rows (0 = bitwise).
@@ -47,7 +49,9 @@ def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def layer_paths(reader: GGUFReader, layer: int) -> dict[str, list[tuple[int, Linear]]]:
     """path -> this layer's 4 linears as (K, x -> y) in the path's arithmetic."""
-    out: dict[str, list[tuple[int, Linear]]] = {p: [] for p in ("dense fp32", "dense bf16", "int4 bf16", "int8 bf16")}
+    q8act = _q8act_available()
+    names = ("dense fp32", "dense bf16", "int4 bf16", "int8 bf16") + (("q8act fp32",) if q8act else ())
+    out: dict[str, list[tuple[int, Linear]]] = {p: [] for p in names}
     for _, parts in LINEARS:
         blocks: list[Blocks] = [read_blocks(reader, f"blk.{layer}.{p}.weight") for p in parts]
         w32 = torch.cat([torch.from_numpy(b.dequantize()) for b in blocks])  # [N, K]
@@ -59,11 +63,23 @@ def layer_paths(reader: GGUFReader, layer: int) -> dict[str, list[tuple[int, Lin
         out["dense bf16"].append((k, lambda x, w=w16: F.linear(x, w)))
         out["int4 bf16"].append((k, i4.matmul))
         out["int8 bf16"].append((k, lambda x, q=q8, s=s8: torch.ops.aten._weight_int8pack_mm(x, q, s)))
+        if q8act:
+            from verispec.execution.q8act import Q8ActWeight
+            from verispec.models.gguf_blocks import raw_rows
+
+            rows = [raw_rows(reader, f"blk.{layer}.{p}.weight")[:2] for p in parts]
+            out["q8act fp32"].append((k, Q8ActWeight.stacked(rows, k).matmul))
     return out
 
 
+def _q8act_available() -> bool:
+    from verispec.execution.cpu_kernels import fast_kernel_available
+
+    return fast_kernel_available()[0]
+
+
 PATH_DTYPE = {"dense fp32": torch.float32, "dense bf16": torch.bfloat16, "int4 bf16": torch.bfloat16,
-              "int8 bf16": torch.bfloat16}
+              "int8 bf16": torch.bfloat16, "q8act fp32": torch.float32}
 
 
 def all_paths(gguf_path: Path, layers: int) -> dict[str, list[tuple[int, Linear]]]:

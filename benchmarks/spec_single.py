@@ -19,6 +19,7 @@ from collections import defaultdict
 from verispec import LLM, SamplingParams
 from verispec.bench.single import SPLIT, method_spec
 from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.config import LEARNED_METHODS
 from verispec.check.identity import compare_greedy
 
 METHODS = {
@@ -35,7 +36,7 @@ def run(args) -> dict:
         for name in args.methods.split(","):
             if name in METHODS:
                 spec = dict(METHODS[name])
-            elif ":" in name:  # eagle3:DIR, dflash:DIR, dspark:DIR, draft_model:DIR
+            elif ":" in name or name in LEARNED_METHODS:  # eagle3[:DIR], dflash[:DIR], dspark[:DIR], draft_model:DIR
                 spec = method_spec(name, args.k)
             else:
                 spec = {"method": "draft_model", "model": name, "num_speculative_tokens": 4}
@@ -100,7 +101,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--methods", default="ngram,suffix",
-                    help="ngram, suffix, a draft model path, or eagle3:DIR / dflash:DIR / dspark:DIR")
+                    help="ngram, suffix, a draft model path, or eagle3 / dflash / dspark (the shipped drafter) or "
+                         "eagle3:DIR / dflash:DIR / dspark:DIR")
     ap.add_argument("--k", type=int, default=7, help="most draft tokens per step for learned drafters")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
