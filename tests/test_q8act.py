@@ -161,6 +161,32 @@ def test_the_fused_norm_and_residual_are_rmsnorm_then_the_product_plus_the_resid
         w.matmul(x.bfloat16(), residual=res)
 
 
+def test_the_fused_swiglu_is_silu_of_the_gate_times_the_up_half() -> None:
+    k = n = 64
+    eye = np.zeros((n, k // BLOCK, 34), np.uint8)
+    eye[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+    for j in range(n):
+        eye[j, j // BLOCK, 2 + j % BLOCK] = 1  # identity: the output is the quantised SwiGLU of the input
+    w = Q8ActWeight(eye.reshape(n, -1), "Q8_0", n, k)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 2 * k, generator=g) * 4
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # exp's clamps on both sides
+    out = w.matmul(x, swiglu=True)
+    gate, up = x.double().chunk(2, -1)
+    act = gate * torch.sigmoid(gate) * up
+    step = (act.reshape(5, 2, 32).abs().amax(-1, keepdim=True) / 127).expand(5, 2, 32).reshape(5, k)
+    assert ((out.double() - quantised(act.float())).abs() <= step * 1.01).all()
+    assert torch.isfinite(out).all()
+    res = torch.randn(5, n, generator=g)
+    assert torch.equal(w.matmul(x, swiglu=True, residual=res), out + res)
+    fast, ref_body = torch.empty(5, n), torch.empty(5, n)
+    LIB.linear(w.tiles, "Q8_0", n, k, x, fast, swiglu=True)
+    LIB.linear(w.tiles, "Q8_0", n, k, x, ref_body, reference=True, swiglu=True)
+    assert torch.equal(fast, ref_body)
+    with pytest.raises(ValueError, match="2K wide"):
+        w.matmul(x[:, :k], swiglu=True)
+
+
 def test_bad_input_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Q5_K"):
         Q8ActWeight(np.zeros((8, 20), np.uint8), "Q5_K", 8, 32)

@@ -54,14 +54,15 @@ class Library:
 
     def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
                reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None) -> None:
+               residual: torch.Tensor | None = None, swiglu: bool = False) -> None:
         """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (execution/q8act.py's layout), plus
         `residual` (float32 [M, N]) when given; x' = x, or RMSNorm(x) * norm (float32 [K]) with `eps` when `norm`
-        is given. x and out: contiguous CPU float32 or bfloat16. `reference`: the portable body."""
+        is given, or silu(gate) * up of a float32 x = [gate | up] ([M, 2K]) when `swiglu`. x and out: contiguous
+        CPU float32 or bfloat16. `reference`: the portable body."""
         rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), x.dtype == torch.bfloat16,
                                 x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(),
                                 reference, None if norm is None else norm.data_ptr(), eps,
-                                None if residual is None else residual.data_ptr())
+                                None if residual is None else residual.data_ptr(), swiglu)
         if rc:
             raise RuntimeError(f"vs_linear failed ({'bad shape, kind or residual' if rc == -1 else 'out of memory'})")
 
@@ -155,7 +156,7 @@ def load(cache: Path | None = None) -> Library:
     except OSError as e:
         raise KernelUnavailable(f"built {out} but could not load it: {e}") from e
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p]
+    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p, i32]
     lib.vs_linear.restype = i32
     lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
                                  ctypes.c_float, p, i32, i32]

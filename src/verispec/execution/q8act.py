@@ -47,8 +47,8 @@ def tile_rows(raw: np.ndarray, kind: str) -> np.ndarray:
 class Q8ActWeight(nn.Module):
     """An [N, K] weight in GGUF blocks, multiplied with int8-quantised activations: `matmul(x [M, K]) -> [M, N]`
     in x's dtype (float32 or bfloat16). An `nn.Module` with one uint8 buffer, so it stands where a layer had a
-    weight parameter. It takes its input's RMSNorm and the residual into the call (`fuses_norm`, see
-    models/llama.py's `_norm_linear`), with its own arithmetic for the norm."""
+    weight parameter. It takes its input's RMSNorm or SwiGLU and the residual into the call (`fuses_norm`, see
+    models/llama.py's `_norm_linear` and `Layer.feed_forward`), with its own arithmetic for those."""
 
     fuses_norm = True
 
@@ -78,25 +78,27 @@ class Q8ActWeight(nn.Module):
         return self.n, self.k
 
     def matmul(self, x: torch.Tensor, reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
         """x: [M, K] float32 / bfloat16 on CPU -> [M, N] in x's dtype. `norm` (float32 [K]): multiply
-        RMSNorm(x; eps) * norm instead of x; `residual` (float32 [M, N], float32 x): return residual + the product.
-        `reference`: the portable C body."""
+        RMSNorm(x; eps) * norm instead of x; `swiglu`: x is float32 [M, 2K] = [gate | up], multiply silu(gate) * up;
+        `residual` (float32 [M, N], float32 x): return residual + the product. `reference`: the portable C body."""
         if x.device.type != "cpu":
             raise NotImplementedError("Q8ActWeight runs verispec's CPU kernel only")
-        if x.dim() != 2 or x.shape[1] != self.k:
-            raise ValueError(f"q8act matmul: x {tuple(x.shape)} does not match the weight {self.shape}")
-        if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        width = 2 * self.k if swiglu else self.k
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"q8act matmul: x {tuple(x.shape)} does not match the weight {self.shape}"
+                             f"{' (SwiGLU input: 2K wide)' if swiglu else ''}")
+        if x.dtype is not torch.float32 and (swiglu or x.dtype is not torch.bfloat16):
             x = x.float()
         if not x.is_contiguous():
             x = x.contiguous()
-        if norm is not None and (norm.dtype is not torch.float32 or norm.shape != (self.k,)):
-            raise ValueError(f"q8act matmul: norm weights must be float32 [{self.k}]")
+        if norm is not None and (swiglu or norm.dtype is not torch.float32 or norm.shape != (self.k,)):
+            raise ValueError(f"q8act matmul: norm weights must be float32 [{self.k}], without swiglu")
         if residual is not None and (residual.dtype is not torch.float32 or x.dtype is not torch.float32
                                      or residual.shape != (x.shape[0], self.n) or not residual.is_contiguous()):
             raise ValueError(f"q8act matmul: the residual must be a contiguous float32 [{x.shape[0]}, {self.n}]")
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        load().linear(self.tiles, self.kind, self.n, self.k, x, out, reference, norm, eps, residual)
+        load().linear(self.tiles, self.kind, self.n, self.k, x, out, reference, norm, eps, residual, swiglu)
         return out
 
     forward = matmul

@@ -210,7 +210,10 @@ class Layer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
-        gate, up = _norm_linear(x, self.mlp_norm, self.eps, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        h = _norm_linear(x, self.mlp_norm, self.eps, self.gate_up, self.gate_up_bias)  # [N, 2I]: gate | up
+        if self.down_bias is None and _fuses(self.down) and h.dtype is torch.float32 and x.dtype is torch.float32:
+            return self.down.matmul(h, swiglu=True, residual=x)  # type: ignore[operator]
+        gate, up = h.chunk(2, dim=-1)
         return _residual_linear(x, F.silu(gate).mul_(up), self.down, self.down_bias)  # gate, up: [N, I] each
 
 

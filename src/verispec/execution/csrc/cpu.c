@@ -238,7 +238,7 @@ static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int
  * exp: `vexp` below; sums over l in order. A row's result depends on its own q, visible keys, values and bias
  * only: not on the other rows, nor on how many masked keys pad its key range. */
 
-/* exp(x) for x <= 0 (Cephes' expf polynomial on r = x - n ln 2, n = round(x / ln 2)); 0 below -87 */
+/* exp(x) (Cephes' expf polynomial on r = x - n ln 2, n = round(x / ln 2)); 0 below -87, x taken as 88 above 88 */
 #define EXP_C0 1.9875691500e-4f
 #define EXP_C1 1.3981999507e-3f
 #define EXP_C2 8.3334519073e-3f
@@ -249,8 +249,9 @@ static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int
 #define LN2_LO -2.12194440e-4f
 #define LOG2E 1.44269504088896341f
 
-static inline float exp_neg(float x) {
+static inline float vexp(float x) {
     if (!(x >= -87.0f)) return 0.0f;
+    x = fminf(x, 88.0f);
     const float n = nearbyintf(x * LOG2E);
     float r = fmaf(n, -LN2_HI, x);
     r = fmaf(n, -LN2_LO, r);
@@ -265,9 +266,9 @@ static inline float exp_neg(float x) {
 }
 
 #ifdef VS_AVX2
-static inline __m256 exp_neg8(__m256 x) {
+static inline __m256 vexp8(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* lanes below are zeroed at the end */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)); /* below: zeroed at the end */
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
     r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
@@ -373,9 +374,9 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
             }
 #ifdef VS_AVX2
             for (; vec && l + 8 <= L; l += 8)
-                _mm256_storeu_ps(sr + l, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sr + l), _mm256_set1_ps(mx))));
+                _mm256_storeu_ps(sr + l, vexp8(_mm256_sub_ps(_mm256_loadu_ps(sr + l), _mm256_set1_ps(mx))));
 #endif
-            for (; l < L; l++) sr[l] = exp_neg(sr[l] - mx);
+            for (; l < L; l++) sr[l] = vexp(sr[l] - mx);
             for (l = 0; l < L; l++) den += sr[l];
             inv[m] = 1.0f / den;
         }
@@ -427,23 +428,46 @@ static void rms_norm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const
     }
 }
 
+/* SwiGLU of rows x [M, 2K] (gate | up, float32) -> out [M, K]: silu(g) * u with silu(g) = g / (1 + exp(-g)) */
+static void swiglu_rows(const float *x, int64_t M, int64_t K, float *out, int ref) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *g = x + r * 2 * K, *u = g + K;
+        float *o = out + r * K;
+        int64_t j = 0;
+#ifdef VS_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; !ref && j + 8 <= K; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = vexp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+        }
+#else
+        (void)ref;
+#endif
+        for (; j < K; j++) o[j] = (g[j] / (1.0f + vexp(-g[j]))) * u[j];
+    }
+}
+
 /* out [M, N] = x' [M, K] times the weight's transpose (+ residual). w: the x8 tiles of an [N, K] weight of `kind`
  * ([ceil(N / 8), K / 32] tiles; rows past N are padding); x float32 or bfloat16 (x_bf16); x' = x, or x RMS-
- * normalised with weights norm_w [K] and eps when norm_w is not NULL; out float32 or bfloat16 (out_bf16);
+ * normalised with weights norm_w [K] and eps when norm_w is not NULL, or (act = 1) SwiGLU of a float32 x
+ * [M, 2K] (gate | up); out float32 or bfloat16 (out_bf16);
  * residual: NULL or float32 [M, N] added to out (float32 out only). use_ref: the portable body.
  * Returns 0, -1 for a bad kind, K or residual, -2 without memory. */
 int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, void *out,
-              int out_bf16, int nthreads, int use_ref, const float *norm_w, float eps, const float *residual) {
-    if (vs_tile_bytes(kind) < 0 || K % QK || (residual && out_bf16)) return -1;
+              int out_bf16, int nthreads, int use_ref, const float *norm_w, float eps, const float *residual,
+              int act) {
+    if (vs_tile_bytes(kind) < 0 || K % QK || (residual && out_bf16) || (act && (x_bf16 || norm_w))) return -1;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
-    const int64_t normed = norm_w ? M * K : 0;
+    const int64_t normed = norm_w || act ? M * K : 0;
     void *scratch = malloc((size_t)((normed + 2 * M * nb) * (int64_t)sizeof(float) + M * K));
     if (!scratch) return -2;
     float *s = (float *)scratch, *ss = s + M * nb, *xn = ss + M * nb;
     int8_t *q = (int8_t *)(xn + normed);
-    if (norm_w) {
-        rms_norm_rows(x, x_bf16, M, K, norm_w, eps, xn);
+    if (norm_w || act) {
+        if (norm_w) rms_norm_rows(x, x_bf16, M, K, norm_w, eps, xn);
+        else swiglu_rows((const float *)x, M, K, xn, use_ref);
         vs_quantize_rows(xn, 0, M, K, q, s, ss);
     } else {
         vs_quantize_rows(x, x_bf16, M, K, q, s, ss);
