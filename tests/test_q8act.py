@@ -242,6 +242,23 @@ def test_attention_shared_keys_rows_without_keys_and_the_portable_body() -> None
         assert torch.equal(LIB.attention(q, k, v, hidden, reference=True), out)
 
 
+def test_rope_in_place_is_rotate_half_on_the_first_heads_only() -> None:
+    from verispec.config import ModelConfig
+    from verispec.models.rope import apply_rope, rope_tables
+
+    cfg = ModelConfig.from_hf({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 32,
+                               "rope_theta": 10000.0})
+    cos, sin = rope_tables(cfg, 40)  # [40, 64]
+    pos = torch.tensor([0, 3, 17, 39])
+    x = torch.randn(4, 8 * 64, generator=torch.Generator().manual_seed(2))  # 8 heads: rotate the first 6
+    ref = apply_rope(x.view(4, 8, 64)[:, :6].double(), cos[pos, None].double(), sin[pos, None].double())
+    y = x.clone()
+    LIB.rope(y, 6, 64, cos[pos, None], sin[pos, None])
+    assert (y.view(4, 8, 64)[:, :6].double() - ref).abs().max() < 1e-5
+    assert torch.equal(y.view(4, 8, 64)[:, 6:], x.view(4, 8, 64)[:, 6:])  # v untouched
+
+
 # ---- the default model on the path ------------------------------------------------------------------------
 
 

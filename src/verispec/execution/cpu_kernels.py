@@ -1,6 +1,6 @@
 """verispec's own CPU kernels (csrc/cpu.c), built at first use for the CPU at hand and loaded with ctypes: the
 GGUF-block matmul with int8 activations (execution/q8act.py) and fp32 attention of a few query rows
-(`Library.attention`, the gguf-q8act path's attention).
+(`Library.attention`) and RoPE in place (`Library.rope`), the gguf-q8act path's attention.
 
 `pip install` stays one command: nothing is compiled at install time. The first time the `gguf-q8act` path is
 considered, the C source shipped in the package is compiled with the machine's C compiler (`$CC`, else cc, gcc or
@@ -65,6 +65,16 @@ class Library:
                                 None if residual is None else residual.data_ptr(), swiglu)
         if rc:
             raise RuntimeError(f"vs_linear failed ({'bad shape, kind or residual' if rc == -1 else 'out of memory'})")
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
+        x head_dim): HF's rotate_half with the signed sine table (models/rope.py), cos and sin float32 [N, (1,)
+        head_dim]."""
+        if x.dtype != torch.float32 or x.stride(1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise ValueError("rope: float32 rows with contiguous elements")
+        cos, sin = cos.reshape(x.shape[0], head_dim).contiguous(), sin.reshape(x.shape[0], head_dim).contiguous()
+        if self.lib.vs_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr()):
+            raise ValueError(f"rope: head_dim {head_dim} must be even and at most 512")
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                   reference: bool = False) -> torch.Tensor:
@@ -161,6 +171,8 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
                                  ctypes.c_float, p, i32, i32]
     lib.vs_attention.restype = i32
+    lib.vs_rope.argtypes = [p, i64, i64, i64, i64, p, p]
+    lib.vs_rope.restype = i32
     lib.vs_has_avx2.restype = i32
     return Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists())
 

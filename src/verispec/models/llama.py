@@ -66,6 +66,7 @@ class AttentionContext:
     per_query: bool = False  # every query position attends alone-shaped (`LlamaModel.batch_invariant`)
     kv_rows: torch.Tensor | None = None  # [N K] cache rows of the new K/V when there are several segments
     kernel: AttentionKernel | None = None  # the CPU attention arithmetic (`LlamaModel.attention_kernel`)
+    rope: RopeKernel | None = None  # in-place RoPE of q and k on CPU (`LlamaModel.rope_kernel`)
 
 
 @dataclass
@@ -99,6 +100,9 @@ def _fp32_scalar(value: float, device: torch.device) -> torch.Tensor:
     """A 0-dim fp32 tensor holding `value`: the operand an op would otherwise build from a Python number."""
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
+
+# in-place RoPE of the first `heads` heads of each row: (x [N, W] fp32, heads, head_dim, cos, sin) -> None
+RopeKernel = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 
 # A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
 # `Int4Weight`, put there by models/quantized.py) that multiplies itself: w(h [N, in]) -> [N, out].
@@ -164,15 +168,20 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x: [N, d] the residual entering the layer -> [N, d] the residual leaving it."""
-        q, k, v = self.project_qkv(x, ctx.cos, ctx.sin)  # [N, H, hd], [N, K, hd], [N, K, hd]
+        q, k, v = self.project_qkv(x, ctx.cos, ctx.sin, ctx.rope)  # [N, H, hd], [N, K, hd], [N, K, hd]
         x = _residual_linear(x, self.attend(q, k, v, ctx), self.o, self.o_bias)  # [N, d]
         return self.feed_forward(x)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeKernel | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd]."""
+        """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd].
+        `rope`: a kernel rotating q and k in place (fp32 CPU), instead of `apply_rope`'s three ops."""
         n, H, K, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _norm_linear(x, self.attn_norm, self.eps, self.qkv, self.qkv_bias).view(n, H + 2 * K, hd)
+        flat = _norm_linear(x, self.attn_norm, self.eps, self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
+        qkv = flat.view(n, H + 2 * K, hd)
+        if self.q_norm is None and rope is not None and flat.dtype is torch.float32 and flat.is_contiguous():
+            rope(flat, H + K, hd, cos, sin)  # q and k heads rotated in place
+            return qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
         if self.q_norm is None:  # rotate q and k together: [N, H + K, hd]
             qk = apply_rope(qkv[:, : H + K], cos, sin)
             return qk[:, :H], qk[:, H:], qkv[:, H + K :]
@@ -227,8 +236,10 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         # a kernel module computing the logits in place of the dense output weight (models/quantized.py), or None
         self.head_weight: nn.Module | None = None
-        # the CPU attention arithmetic in place of torch's batched matmuls (models/quantized.py), or None
+        # the CPU attention arithmetic in place of torch's batched matmuls (models/quantized.py), or None; likewise
+        # in-place RoPE
         self.attention_kernel: AttentionKernel | None = None
+        self.rope_kernel: RopeKernel | None = None
         self.set_rope_length(rope_len or cfg.max_position_embeddings)
         # True: every query position attends with shapes of its own (models/attention.py, per-query path), so a
         # token's logits do not depend on the block it is verified in or on the other requests of the forward when
@@ -354,7 +365,7 @@ class LlamaModel(nn.Module):
         # range), so blocked plans keep the forward batch-invariant; torch's batched matmuls need per-query plans
         per_query = self.batch_invariant and self.attention_kernel is None
         return attention_context(self.cfg, segments, cache, self.rope_rows(segments), per_query,
-                                 self.attention_kernel)
+                                 self.attention_kernel, self.rope_kernel)
 
     def rope_rows(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin: [N, 1, head_dim] in the model's dtype for the segments' positions (a view of the
@@ -394,10 +405,12 @@ class LlamaModel(nn.Module):
 
 def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cache,
                       rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = False,
-                      kernel: AttentionKernel | None = None) -> AttentionContext:
+                      kernel: AttentionKernel | None = None, rope_kernel: RopeKernel | None = None
+                      ) -> AttentionContext:
     """What the layers of `cfg` read in one forward over `segments`: the RoPE rows (cos, sin [N, 1, hd]), the
     attention plan per window size (over the block tables of a paged cache) and the cache. The target's forward
-    and a drafter running decoder layers of its own (drafters/mtp.py) build it alike."""
+    and a drafter running decoder layers of its own (drafters/mtp.py) build it alike. `kernel`, `rope_kernel`: the
+    CPU attention and in-place RoPE arithmetic the layers use instead of torch's (None: torch's)."""
     cos, sin = rope
     paged = isinstance(cache, PagedKVCache)
     shape = CacheShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.span, cache.k[0].dtype, cos.device,
@@ -405,7 +418,7 @@ def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cach
     tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
     plans = {w: plan_attention(segments, w, batch_invariant, shape, tables) for w in _windows(cfg)}
     rows = None if len(segments) == 1 else cache.kv_rows(segments, cos.device)
-    return AttentionContext(cos, sin, tuple(segments), plans, cache, batch_invariant, rows, kernel)
+    return AttentionContext(cos, sin, tuple(segments), plans, cache, batch_invariant, rows, kernel, rope_kernel)
 
 
 @functools.lru_cache(maxsize=64)

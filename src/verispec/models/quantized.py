@@ -105,6 +105,7 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
         raw, kind, k = raw_rows(reader, head)
         model.head_weight = Q8ActWeight(raw, kind, raw.shape[0], k)
         replaced += 1
-    model.attention_kernel = load().attention  # the path's attention: verispec's fp32 kernel
+    model.attention_kernel = load().attention  # the path's attention and RoPE: verispec's fp32 kernels
+    model.rope_kernel = load().rope
     model.batch_invariant = True  # every row computes alone in this kernel; attention follows suit
     return replaced

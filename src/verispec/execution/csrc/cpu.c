@@ -403,6 +403,25 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
     return failed ? -2 : 0;
 }
 
+/* RoPE in place on the first `heads` heads of each row of x (row stride `stride` floats, heads of hd floats):
+ * x'[i] = x[i] c[i] + x[i + h] s[i] for i < h = hd / 2, x[i] c[i] + x[i - h] s[i] after (HF's rotate_half, with
+ * s the signed sine [-sin, sin]), each as fma(rolled, s, x c); cos, sin: [N, hd] rows. Element-wise: no body
+ * choice to make. Returns 0, or -1 for an odd hd or one over 512. */
+int vs_rope(float *x, int64_t N, int64_t stride, int64_t heads, int64_t hd, const float *cos, const float *sin) {
+    const int64_t h = hd / 2;
+    float tmp[512];
+    if (hd > 512 || hd % 2) return -1;
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + n * hd, *s = sin + n * hd;
+        for (int64_t a = 0; a < heads; a++) {
+            float *v = x + n * stride + a * hd;
+            memcpy(tmp, v, (size_t)hd * sizeof(float));
+            for (int64_t i = 0; i < hd; i++) v[i] = fmaf(tmp[i < h ? i + h : i - h], s[i], tmp[i] * c[i]);
+        }
+    }
+    return 0;
+}
+
 /* whether this build has the AVX2 body */
 int vs_has_avx2(void) {
 #ifdef VS_AVX2
