@@ -181,11 +181,16 @@ def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig) -> dict[str, di
 
 
 def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath]) -> str:
-    """What makes a profile valid: this CPU and torch, the thread count, the shapes, the paths."""
+    """What makes a profile valid: this CPU and torch, the thread count, the shapes, the paths (and the source of
+    verispec's own kernel, when a path runs it)."""
     cpu = cpu_info()
     parts = [cpu.model, " ".join(cpu.flags), cpu.capability, torch.__version__, str(torch.get_num_threads()),
              device, str(linear_shapes(cfg)), str((cfg.num_layers, cfg.vocab_size, cfg.hidden_size)),
              ",".join(p.name for p in paths), str(PROFILE_M)]
+    if any(p.quantization == "gguf-q8act" for p in paths):
+        from verispec.execution.cpu_kernels import source_digest
+
+        parts.append(source_digest())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

@@ -120,6 +120,11 @@ def _source() -> bytes:
     return resources.files("verispec.execution").joinpath("csrc", SOURCE).read_bytes()
 
 
+def source_digest() -> str:
+    """A short digest of the kernel source: what a cached measurement of it is valid for."""
+    return hashlib.sha256(_source()).hexdigest()[:16]
+
+
 def _build(cc: str, flags: tuple[str, ...], out: Path) -> bool:
     """Compile into `out` (atomically); returns whether OpenMP made it in. Raises KernelUnavailable."""
     out.parent.mkdir(parents=True, exist_ok=True)
