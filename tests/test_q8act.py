@@ -187,6 +187,22 @@ def test_the_fused_swiglu_is_silu_of_the_gate_times_the_up_half() -> None:
         w.matmul(x[:, :k], swiglu=True)
 
 
+def test_without_a_working_compiler_the_path_is_not_offered_and_says_why(tmp_path, monkeypatch) -> None:
+    from verispec.execution import cpu_kernels
+    from verispec.execution.paths import candidates
+
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build
+    with pytest.raises(KernelUnavailable, match="could not build"):
+        cpu_kernels.load.__wrapped__(cache=tmp_path)
+    unwritable = tmp_path / "file"
+    unwritable.write_text("")  # the cache root is a file: the build directory cannot be made
+    monkeypatch.delenv("CC")
+    with pytest.raises(KernelUnavailable, match="could not build"):
+        cpu_kernels.load.__wrapped__(cache=unwritable)
+    monkeypatch.setattr(cpu_kernels, "fast_kernel_available", lambda: (False, "no compiler"))
+    assert "gguf-q8act" not in [p.name for p in candidates("cpu", True)]
+
+
 def test_bad_input_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Q5_K"):
         Q8ActWeight(np.zeros((8, 20), np.uint8), "Q5_K", 8, 32)

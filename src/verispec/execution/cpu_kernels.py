@@ -164,8 +164,11 @@ def load(cache: Path | None = None) -> Library:
     openmp_marker = out.with_suffix(".openmp")
     if not out.exists():
         log.info("building verispec's CPU kernel with %s %s", cc, " ".join(flags))
-        if _build(cc, flags, out):
-            openmp_marker.touch()
+        try:
+            if _build(cc, flags, out):
+                openmp_marker.touch()
+        except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a compiler that hangs
+            raise KernelUnavailable(f"could not build {SOURCE} into {out.parent}: {e}") from e
     try:
         lib = ctypes.CDLL(str(out))
     except OSError as e:
