@@ -15,8 +15,10 @@ embedding stay dense; a linear in any other format (K-quants, F16) stays dense t
 from __future__ import annotations
 
 import os
+from typing import Callable, Iterator
 
 import numpy as np
+from torch import nn
 
 from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
 from verispec.models.gguf_blocks import FORMATS, Blocks, raw_rows, read_blocks, tensor_kind
@@ -35,21 +37,32 @@ def unpermute_rows(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+def _fused_tensors(reader: GGUFIndex, model: LlamaModel, index: int, accept: Callable[[set[str]], bool]
+                   ) -> Iterator[tuple[str, list[tuple[str, int | None]]]]:
+    """Layer `index`'s fused weights whose parts' GGML types `accept` takes: (fused name, [(tensor name, heads to
+    un-permute its rows by, or None)]); llama.cpp permutes a "llama" model's q and k rows."""
+    cfg, permuted = model.cfg, reader.arch == "llama"
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    for fused, parts in FUSED.items():
+        names = [f"blk.{index}.{p}.weight" for p in parts]
+        if accept({tensor_kind(reader, n) for n in names}):
+            yield fused, [(n, heads[p] if permuted and p in heads else None) for p, n in zip(parts, names)]
+
+
+def _swap(layer: nn.Module, name: str, module: nn.Module) -> None:
+    """The dense parameter `name` goes; the kernel module takes its name."""
+    delattr(layer, name)
+    setattr(layer, name, module)
+
+
 def layer_blocks(reader: GGUFIndex, model: LlamaModel, index: int) -> dict[str, list[Blocks]]:
     """Layer `index`'s fused weights whose parts are all Q4_0 / Q4_1: name -> the parts' `Blocks` in the dense
     model's row order."""
-    cfg, permuted = model.cfg, reader.arch == "llama"
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     out: dict[str, list[Blocks]] = {}
-    for fused, parts in FUSED.items():
-        names = [f"blk.{index}.{p}.weight" for p in parts]
-        if not all(tensor_kind(reader, n) in INT4_KINDS for n in names):
-            continue
-        blocks = [read_blocks(reader, n) for n in names]
-        if permuted:
-            blocks = [b.take_rows(unpermute_rows(b.shape[0], heads[p])) if p in heads else b
-                      for p, b in zip(parts, blocks)]
-        out[fused] = blocks
+    for fused, parts in _fused_tensors(reader, model, index, lambda kinds: kinds <= set(INT4_KINDS)):
+        blocks = [read_blocks(reader, n) for n, _ in parts]
+        out[fused] = [b if h is None else b.take_rows(unpermute_rows(b.shape[0], h))
+                      for b, (_, h) in zip(blocks, parts)]
     return out
 
 
@@ -66,9 +79,7 @@ def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
                 raise ValueError(f"layer {i} {name}: GGUF blocks {[b.shape for b in blocks]} vs model {(n, k)}")
             if n % N_MULTIPLE or k % GROUP:
                 continue  # the CPU int4 packing cannot hold this shape: stays dense
-            packed = Int4Weight.from_q4([(b.q, b.scale, b.min) for b in blocks], dtype=dense.dtype)
-            delattr(layer, name)  # the dense parameter goes; the module takes its name
-            setattr(layer, name, packed)
+            _swap(layer, name, Int4Weight.from_q4([(b.q, b.scale, b.min) for b in blocks], dtype=dense.dtype))
             replaced += 1
     model.batch_invariant = True  # the int4 and dense bf16 linears are row-wise invariant; attention follows suit
     return replaced
@@ -81,24 +92,17 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     from verispec.execution.q8act import Q8ActWeight
 
     reader = GGUFIndex.open(gguf_path)
-    cfg, permuted = model.cfg, reader.arch == "llama"
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     replaced = 0
-    for i, layer in enumerate(model.layers):
-        for fused, parts in FUSED.items():
-            names = [f"blk.{i}.{p}.weight" for p in parts]
-            if len({tensor_kind(reader, n) for n in names}) != 1 or tensor_kind(reader, names[0]) not in FORMATS:
-                continue  # mixed or non-block formats stay dense
+    for i, layer in enumerate(model.layers):  # parts of mixed or non-block formats stay dense
+        for fused, parts in _fused_tensors(reader, model, i, lambda kinds: len(kinds) == 1 and kinds <= set(FORMATS)):
             rows = []
-            for p, name in zip(parts, names):
+            for name, h in parts:
                 raw, kind, k = raw_rows(reader, name)
-                rows.append((raw[unpermute_rows(raw.shape[0], heads[p])] if permuted and p in heads else raw, kind))
-            dense = getattr(layer, fused)
-            packed = Q8ActWeight.stacked(rows, k)
+                rows.append((raw if h is None else raw[unpermute_rows(raw.shape[0], h)], kind))
+            dense, packed = getattr(layer, fused), Q8ActWeight.stacked(rows, k)
             if packed.shape != tuple(dense.shape):
                 raise ValueError(f"layer {i} {fused}: GGUF blocks {packed.shape} vs model {tuple(dense.shape)}")
-            delattr(layer, fused)
-            setattr(layer, fused, packed)
+            _swap(layer, fused, packed)
             replaced += 1
     head = "token_embd.weight" if model.lm_head is None else "output.weight"
     if tensor_kind(reader, head) in FORMATS:
