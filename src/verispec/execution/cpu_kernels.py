@@ -1,6 +1,7 @@
 """verispec's own CPU kernels (csrc/cpu.c), built at first use for the CPU at hand and loaded with ctypes: the
 GGUF-block matmul with int8 activations (execution/q8act.py) and fp32 attention of a few query rows
-(`Library.attention`) and RoPE in place (`Library.rope`), the gguf-q8act path's attention.
+(`Library.attention`) and RoPE in place (`Library.rope`), the gguf-q8act path's attention; and `vs_decoder`, all
+of a forward's decoder layers in one call (execution/decoder_kernel.py).
 
 `pip install` stays one command: nothing is compiled at install time. The first time the `gguf-q8act` path is
 considered, the C source shipped in the package is compiled with the machine's C compiler (`$CC`, else cc, gcc or
@@ -181,6 +182,10 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_attention.restype = i32
     lib.vs_rope.argtypes = [p, i64, i64, i64, i64, p, p]
     lib.vs_rope.restype = i32
+    f32 = ctypes.c_float
+    lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, i64, i64, p,
+                               i32]
+    lib.vs_decoder.restype = i32
     lib.vs_has_avx2.restype = i32
     return Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists())
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,15 @@ def _fp32_scalar(value: float, device: torch.device) -> torch.Tensor:
 
 # in-place RoPE of the first `heads` heads of each row: (x [N, W] fp32, heads, head_dim, cos, sin) -> None
 RopeKernel = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
+
+class DecoderKernelLike(Protocol):
+    """Every decoder layer of a forward in one call (execution/decoder_kernel.py's `DecoderKernel`)."""
+
+    def covers(self, segments: Sequence[Segment], cache: Cache) -> bool: ...
+
+    def run(self, x: torch.Tensor, segments: Sequence[Segment], cache: Cache, cos: torch.Tensor, sin: torch.Tensor,
+            capture: Sequence[int] = ()) -> dict[int, torch.Tensor]: ...
+
 
 # A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
 # `Int4Weight`, put there by models/quantized.py) that multiplies itself: w(h [N, in]) -> [N, out].
@@ -240,6 +249,9 @@ class LlamaModel(nn.Module):
         # in-place RoPE
         self.attention_kernel: AttentionKernel | None = None
         self.rope_kernel: RopeKernel | None = None
+        # all decoder layers of a forward in one call (execution/decoder_kernel.py; models/quantized.py), or None:
+        # `covers(segments, cache)` says whether it takes a forward, `run(x, segments, cache, cos, sin, capture)`
+        self.decoder_kernel: DecoderKernelLike | None = None
         self.set_rope_length(rope_len or cfg.max_position_embeddings)
         # True: every query position attends with shapes of its own (models/attention.py, per-query path), so a
         # token's logits do not depend on the block it is verified in or on the other requests of the forward when
@@ -333,17 +345,27 @@ class LlamaModel(nn.Module):
         """
         assert sum(s.length for s in segments) == input_ids.shape[0], "segments must cover input_ids exactly"
         self._reserve(segments, cache)
-        ctx = self._context(segments, cache)
         x = F.embedding(input_ids, self.embed)  # [N, d]
+        kernel = self.decoder_kernel
+        if kernel is not None and kernel.covers(segments, cache):  # every layer in one kernel call, x in place
+            hidden = kernel.run(x, segments, cache, *self.rope_rows(segments), capture_layers)
+        else:
+            x, hidden = self._layers(x, segments, cache, capture_layers)
+        if self.cfg.num_layers in capture_layers:
+            hidden[self.cfg.num_layers] = x
+        logits, last = self._head(x, segments, logits_indices, return_last_hidden)
+        return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last)
+
+    def _layers(self, x: torch.Tensor, segments: Sequence[Segment], cache: Cache, capture_layers: Sequence[int]
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x: [N, d] through every layer, one `Layer.forward` each -> ([N, d], {i: [N, d] entering layer i})."""
+        ctx = self._context(segments, cache)
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             if li in capture_layers:
                 hidden[li] = x
             x = layer(x, ctx)  # [N, d]
-        if self.cfg.num_layers in capture_layers:
-            hidden[self.cfg.num_layers] = x
-        logits, last = self._head(x, segments, logits_indices, return_last_hidden)
-        return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last)
+        return x, hidden
 
     # ------------------------------------------------------------------------------------------
     def _reserve(self, segments: Sequence[Segment], cache: Cache) -> None:

@@ -89,6 +89,7 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
     place (a CPU model loaded from that file). Returns how many were replaced, the head included."""
     from verispec.execution.cpu_kernels import load
+    from verispec.execution.decoder_kernel import DecoderKernel
     from verispec.execution.q8act import Q8ActWeight
 
     reader = GGUFIndex.open(gguf_path)
@@ -112,4 +113,5 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     model.attention_kernel = load().attention  # the path's attention and RoPE: verispec's fp32 kernels
     model.rope_kernel = load().rope
     model.batch_invariant = True  # every row computes alone in this kernel; attention follows suit
+    model.decoder_kernel = DecoderKernel.build(model)  # all layers in one call where they are all covered
     return replaced

@@ -20,7 +20,8 @@
  * Two bodies: the portable one (plain C, the reference) and the AVX2 + FMA + F16C one; the tests hold the second
  * to the first bit for bit. Built at first use by execution/cpu_kernels.py with the flags this CPU has.
  *
- * Also here: `vs_attention`, fp32 attention of a few query rows over their keys (see there).
+ * Also here: `vs_attention`, fp32 attention of a few query rows over their keys, `vs_rope`, and `vs_decoder`,
+ * every decoder layer of a forward in one call (see there).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -338,6 +339,40 @@ static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, 
 }
 #endif
 
+/* a row of scores s [L] -> p = exp(s - max s) in place; returns 1 / sum p (0 and all p zero when no key is
+ * visible: every score -inf). exp: vexp8 on whole vectors from the start, vexp on the tail (the same values) */
+static float softmax_row(float *sr, int64_t L, int vec) {
+    float mx = -INFINITY, den = 0.0f;
+    for (int64_t l = 0; l < L; l++) mx = fmaxf(mx, sr[l]);
+    int64_t l = 0;
+    if (mx == -INFINITY) {
+        for (; l < L; l++) sr[l] = 0.0f;
+        return 0.0f;
+    }
+#ifdef VS_AVX2
+    for (; vec && l + 8 <= L; l += 8)
+        _mm256_storeu_ps(sr + l, vexp8(_mm256_sub_ps(_mm256_loadu_ps(sr + l), _mm256_set1_ps(mx))));
+#else
+    (void)vec;
+#endif
+    for (; l < L; l++) sr[l] = vexp(sr[l] - mx);
+    for (l = 0; l < L; l++) den += sr[l];
+    return 1.0f / den;
+}
+
+/* o [hd] = fma(a, v, o) element-wise */
+static inline void axpy(float *o, const float *v, float a, int64_t hd, int vec) {
+    int64_t i = 0;
+#ifdef VS_AVX2
+    const __m256 av = _mm256_set1_ps(a);
+    for (; vec && i + 8 <= hd; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+#else
+    (void)vec;
+#endif
+    for (; i < hd; i++) o[i] = fmaf(a, v[i], o[i]);
+}
+
 /* q [B, M, hd] (strides qb, qm), k and v [B, L, hd] (strides kb, kl and vb, vl), bias [B?, M?, L] or NULL
  * (strides bb, bm; 0 where broadcast), out [B, M, hd] contiguous; the last dimension of each is contiguous.
  * ref: the portable body. Returns 0, or -2 without memory. */
@@ -363,23 +398,7 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
         else
 #endif
             scores_ref(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s);
-        for (int64_t m = 0; m < M; m++) { /* p = exp(s - max), 1 / sum p */
-            float *sr = s + m * L, mx = -INFINITY, den = 0.0f;
-            for (int64_t l = 0; l < L; l++) mx = fmaxf(mx, sr[l]);
-            int64_t l = 0;
-            if (mx == -INFINITY) { /* nothing visible: zeros */
-                for (; l < L; l++) sr[l] = 0.0f;
-                inv[m] = 0.0f;
-                continue;
-            }
-#ifdef VS_AVX2
-            for (; vec && l + 8 <= L; l += 8)
-                _mm256_storeu_ps(sr + l, vexp8(_mm256_sub_ps(_mm256_loadu_ps(sr + l), _mm256_set1_ps(mx))));
-#endif
-            for (; l < L; l++) sr[l] = vexp(sr[l] - mx);
-            for (l = 0; l < L; l++) den += sr[l];
-            inv[m] = 1.0f / den;
-        }
+        for (int64_t m = 0; m < M; m++) inv[m] = softmax_row(s + m * L, L, vec);
         float *o = out + b * M * hd;
         for (int64_t i = 0; i < M * hd; i++) o[i] = 0.0f;
         for (int64_t l = 0; l < L; l++) { /* out_m += (p_ml / sum p_m) v_l, l in order, masked keys skipped */
@@ -387,15 +406,7 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
             for (int64_t m = 0; m < M; m++) {
                 const float p = s[m * L + l];
                 if (p == 0.0f) continue;
-                const float a = p * inv[m];
-                float *om = o + m * hd;
-                int64_t i = 0;
-#ifdef VS_AVX2
-                const __m256 av = _mm256_set1_ps(a);
-                for (; vec && i < hd; i += 8)
-                    _mm256_storeu_ps(om + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(om + i)));
-#endif
-                for (; i < hd; i++) om[i] = fmaf(a, vr[i], om[i]);
+                axpy(o + m * hd, vr, p * inv[m], hd, vec);
             }
         }
         free(s);
@@ -502,4 +513,127 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
         for (int64_t i = 0; i < M * N; i++) ((float *)out)[i] += residual[i];
     free(scratch);
     return 0;
+}
+
+/* --- every decoder layer of one forward in one call (the gguf-q8act path's `DecoderKernel`) ---
+ * Rows are tokens of chains (no draft trees): row r sits at position pos[r] of its sequence and sees its keys
+ * lo .. pos[r] (lo = pos[r] - window + 1 in a sliding-window layer, else 0). The cache's layer tensors hold
+ * kv head h, position j of row r's sequence at element base[r] + h * hstride + phys(j) * hd, where
+ * phys(j) = table[j / bs] * bs + j % bs with the row's block table at tables + toff[r] (a slot cache: one entry
+ * 0 and bs = its length). Each layer runs what models/llama.py's `Layer.forward` runs on this path, with the same
+ * functions in the same order (so the same bits): x' = x + o(attention(rope(qkv(norm(x))))), then
+ * x'' = x' + down(swiglu(gate_up(norm(x')))), K/V written for every row before any row attends. */
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down; /* x8 tiles */
+    int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    const float *attn_norm, *mlp_norm; /* [d] */
+    int64_t window; /* 0: full attention */
+} vs_layer;
+
+typedef struct {
+    float *k, *v; /* the layer's cache */
+    const int64_t *pos, *base, *toff;
+    const int32_t *tables;
+    int64_t bs, hstride;
+} vs_rows;
+
+static inline int64_t phys(const vs_rows *R, int64_t r, int64_t j) {
+    return (int64_t)R->tables[R->toff[r] + j / R->bs] * R->bs + j % R->bs;
+}
+
+/* one query head's attention: q [hd] against the row's keys lo .. hi of kv head h; s: scratch of hi - lo + 1 */
+static void attend_row(const vs_rows *R, int64_t r, int64_t h, const float *q, int64_t lo, int64_t hi, int64_t hd,
+                       float scale, float *s, float *out, int vec) {
+    const int64_t L = hi - lo + 1, head = R->base[r] + h * R->hstride;
+    for (int64_t j = lo; j <= hi;) { /* runs of consecutive positions: one block each */
+        const int64_t end = (j / R->bs + 1) * R->bs < hi + 1 ? (j / R->bs + 1) * R->bs : hi + 1;
+        const float *kp = R->k + head + phys(R, r, j) * hd;
+#ifdef VS_AVX2
+        if (vec) scores_avx2(q, 0, kp, hd, NULL, 0, 1, end - j, hd, scale, s + (j - lo));
+        else
+#endif
+            scores_ref(q, 0, kp, hd, NULL, 0, 1, end - j, hd, scale, s + (j - lo));
+        j = end;
+    }
+    const float inv = softmax_row(s, L, vec);
+    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+    for (int64_t j = lo; j <= hi; j++) {
+        const float p = s[j - lo];
+        if (p != 0.0f) axpy(out, R->v + head + phys(R, r, j) * hd, p * inv, hd, vec);
+    }
+}
+
+/* the attention of N rows' H heads (G = H / KH per kv head) from qkv [N, (H + 2 KH) hd] into att [N, H hd] */
+static int attend_rows(const vs_rows *R, const float *qkv, int64_t N, int64_t H, int64_t KH, int64_t hd,
+                       int64_t window, float scale, float *att, int nthreads) {
+    const int64_t W = (H + 2 * KH) * hd, G = H / KH;
+    int64_t most = 1, work = 0;
+    for (int64_t r = 0; r < N; r++) {
+        const int64_t lo = window && R->pos[r] - window + 1 > 0 ? R->pos[r] - window + 1 : 0;
+        most = R->pos[r] - lo + 1 > most ? R->pos[r] - lo + 1 : most;
+        work += R->pos[r] - lo + 1;
+    }
+#ifdef VS_AVX2
+    const int vec = hd % 8 == 0;
+#else
+    const int vec = 0;
+#endif
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (work * H * hd > (1 << 17))
+    {
+        float *s = malloc((size_t)most * sizeof(float));
+        if (!s) failed = 1;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < N * H; i++) {
+            if (!s) continue;
+            const int64_t r = i / H, a = i % H;
+            const int64_t lo = window && R->pos[r] - window + 1 > 0 ? R->pos[r] - window + 1 : 0;
+            attend_row(R, r, a / G, qkv + r * W + a * hd, lo, R->pos[r], hd, scale, s, att + (r * H + a) * hd, vec);
+        }
+        free(s);
+    }
+    return failed ? -2 : 0;
+}
+
+/* K and V of the N rows (qkv's heads H .. H + KH - 1 and the KH after them) into the cache */
+static void write_kv(const vs_rows *R, const float *qkv, int64_t N, int64_t H, int64_t KH, int64_t hd) {
+    const int64_t W = (H + 2 * KH) * hd;
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t h = 0; h < KH; h++) {
+            const int64_t at = R->base[r] + h * R->hstride + phys(R, r, R->pos[r]) * hd;
+            memcpy(R->k + at, qkv + r * W + (H + h) * hd, (size_t)hd * sizeof(float));
+            memcpy(R->v + at, qkv + r * W + (H + KH + h) * hd, (size_t)hd * sizeof(float));
+        }
+}
+
+/* x [N, d] (float32, in place) through layers 0 .. nl - 1; kc, vc: each layer's cache tensors; cos, sin [N, hd]
+ * the rows' RoPE; capture: per layer NULL or an [N, d] buffer that gets x as it enters the layer. Returns 0, -1
+ * for bad shapes, -2 without memory. */
+int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *const *vc, int64_t d, int64_t H,
+               int64_t KH, int64_t hd, int64_t I, float eps, float scale, float *x, int64_t N, const float *cos,
+               const float *sin, const int64_t *pos, const int64_t *base, const int32_t *tables, const int64_t *toff,
+               int64_t bs, int64_t hstride, float *const *capture, int nthreads) {
+    if (N <= 0) return 0;
+    if (KH <= 0 || H % KH || hd > 512 || hd % 2) return -1;
+    const int64_t W = (H + 2 * KH) * hd;
+    float *buf = malloc((size_t)(N * (W + H * hd + d + 2 * I)) * sizeof(float));
+    if (!buf) return -2;
+    float *qkv = buf, *att = qkv + N * W, *y = att + N * H * hd, *h = y + N * d;
+    int rc = 0;
+    for (int64_t l = 0; l < nl && !rc; l++) {
+        const vs_layer *L = layers + l;
+        const vs_rows R = {kc[l], vc[l], pos, base, toff, tables, bs, hstride};
+        if (capture && capture[l]) memcpy(capture[l], x, (size_t)(N * d) * sizeof(float));
+        rc = vs_linear(L->qkv, L->qkv_kind, W, d, x, 0, N, qkv, 0, nthreads, 0, L->attn_norm, eps, NULL, 0);
+        if (rc) break;
+        vs_rope(qkv, N, W, H + KH, hd, cos, sin);
+        write_kv(&R, qkv, N, H, KH, hd);
+        rc = attend_rows(&R, qkv, N, H, KH, hd, L->window, scale, att, nthreads);
+        if (!rc) rc = vs_linear(L->o, L->o_kind, d, H * hd, att, 0, N, y, 0, nthreads, 0, NULL, 0.0f, x, 0);
+        if (!rc) rc = vs_linear(L->gate_up, L->gate_up_kind, 2 * I, d, y, 0, N, h, 0, nthreads, 0, L->mlp_norm, eps,
+                                NULL, 0);
+        if (!rc) rc = vs_linear(L->down, L->down_kind, d, I, h, 0, N, x, 0, nthreads, 0, NULL, 0.0f, y, 1);
+    }
+    free(buf);
+    return rc;
 }

@@ -1,0 +1,119 @@
+"""Every decoder layer of a forward in one call of verispec's CPU kernel (csrc/cpu.c's `vs_decoder`), for the
+gguf-q8act path.
+
+On that path a layer is already a handful of kernel calls (norm + qkv, RoPE, attention, o + residual, norm +
+gate_up, SwiGLU + down + residual), but each is reached through Python: at one token per step the calls, their
+argument checks and the attention plan cost about as much as the arithmetic. `vs_decoder` runs the same C functions
+in the same order for all layers, so its result is bitwise the layer-by-layer one (the tests hold it to that), in
+one call. It covers what the path's layers do without extra weights: fused GGUF-block linears everywhere, no
+biases, no q/k norm, float32 activations and cache, token chains (a draft tree's block goes the layer-by-layer way).
+The rows may belong to several sequences of a slot cache or a paged one; each row attends alone (its own keys, in
+its own order), so the result is batch-invariant as the path is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+
+from verispec.config import ModelConfig
+from verispec.execution.cpu_kernels import KINDS, Library, load
+from verispec.execution.q8act import Q8ActWeight
+
+_p, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):  # csrc/cpu.c's vs_layer
+    _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_kind", _i32), ("o_kind", _i32),
+                ("gate_up_kind", _i32), ("down_kind", _i32), ("attn_norm", _p), ("mlp_norm", _p), ("window", _i64)]
+
+
+def _array(ctype: type, values: Sequence[int]) -> ctypes.Array:
+    return (ctype * len(values))(*values)
+
+
+class DecoderKernel:
+    """The decoder layers of one model as one kernel call: `run(x, segments, cache, cos, sin, capture)`.
+    Build with `DecoderKernel.build(model)`, which says None where the model's layers are not all covered."""
+
+    def __init__(self, cfg: ModelConfig, layers: Sequence[torch.nn.Module], lib: Library) -> None:
+        self.cfg, self.lib = cfg, lib
+        # the tensors the table points into stay alive with it; a model moved or cast since (new tensors) is
+        # no longer covered (`covers` compares the first layer's)
+        self._keep = [getattr(L, n) if n in ("attn_norm", "mlp_norm") else getattr(L, n).tiles for L in layers
+                      for n in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")]
+        self._first = layers[0]
+        self._table = (_Layer * len(layers))(*[
+            _Layer(L.qkv.tiles.data_ptr(), L.o.tiles.data_ptr(), L.gate_up.tiles.data_ptr(), L.down.tiles.data_ptr(),
+                   KINDS[L.qkv.kind], KINDS[L.o.kind], KINDS[L.gate_up.kind], KINDS[L.down.kind],
+                   L.attn_norm.data_ptr(), L.mlp_norm.data_ptr(), cfg.layer_window(i) or 0)
+            for i, L in enumerate(layers)])
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> DecoderKernel | None:
+        """The kernel for `model`'s layers (a CPU float32 model whose linears are all `Q8ActWeight`s, without
+        biases or q/k norm), or None."""
+        layers = list(model.layers)  # type: ignore[attr-defined]
+        for L in layers:
+            if any(getattr(L, b) is not None for b in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm")):
+                return None
+            if not all(isinstance(getattr(L, w), Q8ActWeight) for w in ("qkv", "o", "gate_up", "down")):
+                return None
+            if L.attn_norm.dtype is not torch.float32 or L.attn_norm.device.type != "cpu":
+                return None
+        return cls(model.cfg, layers, load())  # type: ignore[attr-defined]
+
+    def covers(self, segments: Sequence, cache: object) -> bool:
+        """Whether a forward over `segments` into `cache` can run here: the weights it was built on, chains only,
+        a float32 CPU cache."""
+        k0 = cache.k[0]  # type: ignore[attr-defined]
+        first = self._first
+        return (first.attn_norm is self._keep[4] and first.qkv.tiles is self._keep[0] and k0.dtype is torch.float32 and k0.device.type == "cpu" and k0.is_contiguous()
+                and all(s.tree is None for s in segments))
+
+    def run(self, x: torch.Tensor, segments: Sequence, cache: object, cos: torch.Tensor, sin: torch.Tensor,
+            capture: Sequence[int] = ()) -> dict[int, torch.Tensor]:
+        """x: [N, d] float32, the segments' embedded tokens in segment order, replaced in place by the last layer's
+        output; their K/V are written into `cache` (blocks already reserved); cos, sin: [N, (1,) hd] the rows'
+        RoPE. Returns {layer i: [N, d] the hidden state entering layer i} for i in `capture` below num_layers."""
+        c = self.cfg
+        n = x.shape[0]
+        if x.dtype is not torch.float32 or not x.is_contiguous() or x.shape[1] != c.hidden_size:
+            raise ValueError(f"decoder kernel: x must be a contiguous float32 [N, {c.hidden_size}]")
+        cos = cos.reshape(n, c.head_dim).contiguous()
+        sin = sin.reshape(n, c.head_dim).contiguous()
+        pos, base, toff, tables, bs, hstride = _addressing(segments, cache)
+        hidden = {i: torch.empty_like(x) for i in capture if i < c.num_layers}
+        caps = _array(_p, [hidden[i].data_ptr() if i in hidden else 0 for i in range(c.num_layers)]) if hidden else None
+        rc = self.lib.lib.vs_decoder(
+            self._table, c.num_layers, _array(_p, [t.data_ptr() for t in cache.k]),  # type: ignore[attr-defined]
+            _array(_p, [t.data_ptr() for t in cache.v]), c.hidden_size, c.num_heads,  # type: ignore[attr-defined]
+            c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5, x.data_ptr(), n,
+            cos.data_ptr(), sin.data_ptr(), pos, base, tables, toff, bs, hstride, caps, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"vs_decoder failed ({'bad shapes' if rc == -1 else 'out of memory'})")
+        return hidden
+
+
+def _addressing(segments: Sequence, cache: object
+                ) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, ctypes.Array, int, int]:
+    """Per row: its position, its sequence's first element in a layer's cache tensor and its block table's offset;
+    the block tables, the block size and the element stride between kv heads (csrc/cpu.c's vs_rows)."""
+    k0 = cache.k[0]  # type: ignore[attr-defined]
+    pos, base, toff, tables = [], [], [], []
+    paged = hasattr(cache, "table")
+    for s in segments:
+        off = len(tables)
+        if paged:
+            tables.extend(cache.table(s.slot))  # type: ignore[attr-defined]
+        else:
+            tables.append(0)
+        first = 0 if paged else s.slot * k0.stride(0)
+        pos.extend(range(s.start, s.start + s.length))
+        base.extend([first] * s.length)
+        toff.extend([off] * s.length)
+    bs = cache.block_size if paged else k0.shape[2]  # type: ignore[attr-defined]
+    return (_array(_i64, pos), _array(_i64, base), _array(_i64, toff), _array(_i32, tables or [0]), bs,
+            k0.stride(1))

@@ -1,0 +1,182 @@
+"""All decoder layers in one kernel call (execution/decoder_kernel.py, csrc/cpu.c's `vs_decoder`) against the
+layer-by-layer forward of the same model (models/llama.py's `Layer.forward` with the q8act linears, attention and
+RoPE kernels, each tested against independent references in tests/test_q8act.py): bitwise equal logits, captured
+hidden states and cache contents, on a tiny random model with GGUF blocks of every format, sliding-window and full
+layers, GQA, several sequences per forward, a paged cache whose block tables are not consecutive and a slot cache;
+and a float64 reference (dense dequantised weights, HF-style decoder written here) for the model alone. The default
+model's own runs on the kernel are in tests/test_q8act.py (independent reference decoder, greedy spec == plain).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.execution.cpu_kernels import KernelUnavailable, load
+
+try:
+    LIB = load()
+except KernelUnavailable as e:
+    pytest.skip(f"verispec's CPU kernel cannot be built here: {e}", allow_module_level=True)
+
+from verispec.config import ModelConfig  # noqa: E402
+from verispec.execution.decoder_kernel import DecoderKernel  # noqa: E402
+from verispec.execution.q8act import Q8ActWeight  # noqa: E402
+from verispec.models.llama import LlamaModel, Segment  # noqa: E402
+from tests.test_q8act import dense, quantised, random_raw  # noqa: E402
+
+CFG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, sliding_window=6,
+                  sliding_layers=(True, False, True), max_position_embeddings=256, tie_word_embeddings=True)
+KIND = {"qkv": "Q4_0", "o": "Q8_0", "gate_up": "Q4_1", "down": "Q4_0"}
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    torch.manual_seed(0)
+    m = LlamaModel(CFG)
+    with torch.no_grad():
+        m.embed.normal_(0, 1)
+        m.norm.uniform_(0.5, 1.5)
+    for i, layer in enumerate(m.layers):
+        with torch.no_grad():
+            layer.attn_norm.uniform_(0.5, 1.5)
+            layer.mlp_norm.uniform_(0.5, 1.5)
+        for j, (name, kind) in enumerate(KIND.items()):
+            n, k = getattr(layer, name).shape
+            delattr(layer, name)
+            setattr(layer, name, Q8ActWeight(random_raw(kind, n, k, seed=10 * i + j), kind, n, k))
+    m.attention_kernel, m.rope_kernel, m.batch_invariant = LIB.attention, LIB.rope, True
+    m.decoder_kernel = DecoderKernel.build(m)
+    assert m.decoder_kernel is not None
+    return m
+
+
+def steps(model: LlamaModel, paged: bool, use_kernel: bool) -> tuple[list[torch.Tensor], object]:
+    """Two prompts (13 and 7 tokens), then forwards of both sequences together (3 + 1, 1 + 2, 1 + 1 tokens), each
+    committed but for one rejected row; every row's logits, two layers' inputs; the cache at the end."""
+    kernel = model.decoder_kernel
+    model.decoder_kernel = kernel if use_kernel else None
+    try:
+        cache = model.new_paged_cache(64, 24, 4, 2) if paged else model.new_cache(64, 2)
+        a, b = cache.allocate(), cache.allocate()
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, CFG.vocab_size, (40,), generator=g)
+        outs = []
+        for slot, toks in ((a, ids[:13]), (b, ids[13:20])):
+            o = model.prefill(toks, cache, slot, logits_indices=range(len(toks)), capture_layers=(1, 3))
+            outs += [o.logits, o.hidden[1], o.hidden[3]]
+        at = 20
+        for na, nb in ((3, 1), (1, 2), (1, 1)):
+            segs = [Segment(a, cache.length(a), na), Segment(b, cache.length(b), nb)]
+            o = model(ids[at : at + na + nb], segs, cache, logits_indices=range(na + nb), capture_layers=(0, 2))
+            outs += [o.logits, o.hidden[0], o.hidden[2]]
+            at += na + nb
+            cache.commit(a, max(1, na - 1))  # the last drafted row of a rejected
+            cache.commit(b, nb)
+        return outs, cache
+    finally:
+        model.decoder_kernel = kernel
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_one_call_equals_the_layer_by_layer_forward_bitwise(model: LlamaModel, paged: bool) -> None:
+    ours, cache = steps(model, paged, True)
+    ref, ref_cache = steps(model, paged, False)
+    for i, (x, y) in enumerate(zip(ours, ref)):
+        assert torch.equal(x, y), (i, (x - y).abs().max())
+    for x, y in zip(ours_kv(cache), ours_kv(ref_cache)):  # the same K/V at the same places
+        assert torch.equal(x, y)
+    if paged:  # the sequences' blocks interleave: b's table is not one run, so the addressing was exercised
+        assert any(t[j + 1] != t[j] + 1 for t in (cache.table(0), cache.table(1)) for j in range(len(t) - 1))
+
+
+def ours_kv(cache) -> list[torch.Tensor]:
+    return [cache.read(i, s, cache.length(s))[j] for i in range(CFG.num_layers) for s in (0, 1) for j in (0, 1)]
+
+
+def test_a_row_alone_equals_the_row_beside_others(model: LlamaModel) -> None:
+    """Batch invariance: the last prompt token's logits alone, in a block of 5 and beside another sequence."""
+    ids = torch.arange(30) * 7 % CFG.vocab_size
+    cache = model.new_paged_cache(64, 24, 4, 2)
+    a, b = cache.allocate(), cache.allocate()
+    model.prefill(ids[:9], cache, a)
+    alone = model(ids[9:10], [Segment(a, 9, 1)], cache).logits
+    cache.rollback(a, 9)
+    block = model(ids[9:14], [Segment(a, 9, 5)], cache, logits_indices=[0]).logits
+    cache.rollback(a, 9)
+    model.prefill(ids[14:25], cache, b)
+    beside = model(torch.cat([ids[25:27], ids[9:10]]), [Segment(b, 11, 2), Segment(a, 9, 1)], cache,
+                   logits_indices=[2]).logits
+    assert torch.equal(alone, block) and torch.equal(alone, beside)
+
+
+def test_matches_a_float64_decoder_written_here(model: LlamaModel) -> None:
+    """The kernel's prompt logits against dense dequantised weights times the quantised activations in float64,
+    HF's decoder arithmetic (RMSNorm, rotate-half RoPE, GQA, a causal window of 6 in layers 0 and 2, SwiGLU)."""
+    ids = torch.arange(17) * 5 % CFG.vocab_size
+    cache = model.new_cache(32)
+    got = model.prefill(ids, cache, cache.allocate(), logits_indices=range(17)).logits.double()
+    want = reference_logits(model, ids)
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 1e-3 * scale, (got - want).abs().max() / scale
+
+
+def reference_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    c = CFG
+    H, K, hd, n = c.num_heads, c.num_kv_heads, c.head_dim, len(ids)
+
+    def lin(w: Q8ActWeight, x: torch.Tensor) -> torch.Tensor:  # the kernel's rule: int8 activations per 32
+        return quantised(x.float()) @ DENSE[id(w)].T
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w.double()
+
+    pos = torch.arange(n, dtype=torch.float64)
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.cat([pos[:, None] * inv] * 2, -1)  # [n, hd]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        half = torch.cat([-t[..., hd // 2 :], t[..., : hd // 2]], -1)
+        return t * cos + half * sin
+
+    x = model.embed.detach().double()[ids]
+    for i, layer in enumerate(model.layers):
+        qkv = lin(layer.qkv, norm(x, layer.attn_norm))
+        q, k, v = qkv.split([H * hd, K * hd, K * hd], -1)
+        q, k, v = rope(q.view(n, H, hd)), rope(k.view(n, K, hd)), v.view(n, K, hd)
+        k, v = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        qi, ki = torch.arange(n)[:, None], torch.arange(n)[None]
+        hidden = ki > qi
+        if c.layer_window(i):
+            hidden |= ki <= qi - c.layer_window(i)
+        att = torch.einsum("hqk,khd->qhd", s.masked_fill(hidden, float("-inf")).softmax(-1), v).reshape(n, H * hd)
+        x = x + lin(layer.o, att)
+        gu = lin(layer.gate_up, norm(x, layer.mlp_norm))
+        g, u = gu.chunk(2, -1)
+        x = x + lin(layer.down, torch.nn.functional.silu(g) * u)
+    return norm(x, model.norm) @ model.embed.detach().double().T
+
+
+DENSE: dict[int, torch.Tensor] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dense_weights(model: LlamaModel) -> None:
+    """gguf's dequantisation of each random weight (its raw blocks rebuilt from the same seeds)."""
+    for i, layer in enumerate(model.layers):
+        for j, (name, kind) in enumerate(KIND.items()):
+            w = getattr(layer, name)
+            DENSE[id(w)] = dense(random_raw(kind, w.n, w.k, seed=10 * i + j), kind, w.n, w.k)
+
+
+def test_trees_and_other_caches_take_the_layer_by_layer_way(model: LlamaModel) -> None:
+    kernel = model.decoder_kernel
+    cache = model.new_cache(32)
+    assert kernel.covers([Segment(0, 0, 4)], cache)
+    assert not kernel.covers([Segment(0, 0, 4, tree=(0, 0, 1))], cache)
+    bf16 = model.new_cache(32)
+    bf16.k = [t.bfloat16() for t in bf16.k]
+    assert not kernel.covers([Segment(0, 0, 4)], bf16)
