@@ -144,26 +144,28 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
 }
 
 #ifdef VS_AVX2
-/* one activation row against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows' block sums. 4-bit:
- * maddubs (unsigned w x signed x, neighbours added into int16) of all 8 groups summed in int16 (at most
- * 8 * 2 * 15 * 127 = 30480), then one madd with ones. 8-bit: |w| against sign(w) x, each group madd'ed alone
- * (2 * 128 * 127 leaves no int16 room) */
+/* one activation row's block xb (32 int8) against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows'
+ * block sums. Group g's 4 bytes go to every lane by an in-lane shuffle of the block's half loaded into both 128-bit
+ * lanes (cheaper here than a broadcast load per group). 4-bit: maddubs (unsigned w x signed x, neighbours added
+ * into int16) of all 8 groups summed in int16 (at most 8 * 2 * 15 * 127 = 30480), then one madd with ones. 8-bit:
+ * |w| against sign(w) x, each group madd'ed alone (2 * 128 * 127 leaves no int16 room) */
 static inline __m256i tile_dot(const __m256i *wv, const __m256i *wabs, const int8_t *xb, int kind) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+    const __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+    __m256i x[8];
+    x[0] = _mm256_shuffle_epi32(h0, 0x00); x[1] = _mm256_shuffle_epi32(h0, 0x55);
+    x[2] = _mm256_shuffle_epi32(h0, 0xaa); x[3] = _mm256_shuffle_epi32(h0, 0xff);
+    x[4] = _mm256_shuffle_epi32(h1, 0x00); x[5] = _mm256_shuffle_epi32(h1, 0x55);
+    x[6] = _mm256_shuffle_epi32(h1, 0xaa); x[7] = _mm256_shuffle_epi32(h1, 0xff);
     if (kind != Q8_0) {
-        __m256i s16 = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g++) {
-            int32_t xg;
-            memcpy(&xg, xb + 4 * g, 4);
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[g], _mm256_set1_epi32(xg)));
-        }
+        __m256i s16 = _mm256_maddubs_epi16(wv[0], x[0]);
+        for (int g = 1; g < 8; g++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[g], x[g]));
         return _mm256_madd_epi16(s16, ones);
     }
     __m256i s32 = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++) {
-        int32_t xg;
-        memcpy(&xg, xb + 4 * g, 4);
-        const __m256i p = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(_mm256_set1_epi32(xg), wv[g]));
+        const __m256i p = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(x[g], wv[g]));
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
     }
     return s32;
