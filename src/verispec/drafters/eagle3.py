@@ -241,7 +241,12 @@ class Eagle3Drafter:
         self.head, self.params = head, params
         self.feature_layers = head.feature_layers
         dev, dt = head.fc.weight.device, head.fc.weight.dtype
-        self.feats = torch.empty(0, c.hidden_size, device=dev, dtype=dt)  # [n_feat, d] fused features
+        self._fused = torch.empty(max_len + 1, c.hidden_size, device=dev, dtype=dt)  # [n_feat, d] used rows
+        self._n_fused = 0  # rows of _fused holding fused features
+        # raw target features not fused yet: fusing waits until a proposal needs them, so that a request whose
+        # speculation the scheduler turned off pays one copy per step, not the fc layer (fused in one batch later)
+        self._raw: list[torch.Tensor] = []
+        self._n_raw = 0
         self.k = torch.empty(max_len + 1, c.num_kv_heads, c.head_dim, device=dev, dtype=dt)
         self.v = torch.empty_like(self.k)
         self.n_kv = 0  # head K/V written for positions 0 .. n_kv-1 (committed)
@@ -249,12 +254,27 @@ class Eagle3Drafter:
 
     @property
     def n_feat(self) -> int:
-        return self.feats.shape[0]
+        return self._n_fused + self._n_raw
+
+    @property
+    @torch.inference_mode()
+    def feats(self) -> torch.Tensor:
+        """[n_feat, d] the fused features of every committed position (pending raw ones fused now, in one call)."""
+        if self._raw:
+            raw = self._raw[0] if len(self._raw) == 1 else torch.cat(self._raw)
+            n = self._n_fused
+            self._fused[n : n + raw.shape[0]] = self.head.fc(raw)
+            self._n_fused, self._raw, self._n_raw = n + raw.shape[0], [], 0
+        return self._fused[: self._n_fused]
 
     @torch.inference_mode()
     def add_features(self, feats: torch.Tensor) -> None:
-        """[n, len(layers) d] target features of the next committed positions -> fused [n, d]."""
-        self.feats = torch.cat([self.feats, self.head.fc(feats.to(self.feats.dtype))])
+        """[n, len(layers) d] target features of the next committed positions (fused when next needed)."""
+        if self.n_feat + feats.shape[0] > self._fused.shape[0]:
+            raise ValueError(f"EAGLE-3 features past its {self._fused.shape[0]} positions")
+        raw = feats.to(self._fused.dtype)
+        self._raw.append(raw.clone() if raw._base is not None or raw is feats else raw)  # not a view of the step
+        self._n_raw += raw.shape[0]
 
     def _run(self, emb: torch.Tensor, feat: torch.Tensor, start: int) -> torch.Tensor:
         """Write K/V at start.. and attend to 0..start+n-1 (causal). Returns the pre-norm outputs [n, d]."""
@@ -388,5 +408,6 @@ class Eagle3Drafter:
                                          "recomputation from the committed tokens")
 
     def release(self) -> None:
-        self.feats = self.feats[:0]
-        self.k = self.v = self.feats
+        self._fused = self._fused[:0]
+        self._n_fused, self._raw, self._n_raw = 0, [], 0
+        self.k = self.v = self._fused
