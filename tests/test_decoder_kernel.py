@@ -172,11 +172,44 @@ def _dense_weights(model: LlamaModel) -> None:
             DENSE[id(w)] = dense(random_raw(kind, w.n, w.k, seed=10 * i + j), kind, w.n, w.k)
 
 
-def test_trees_and_other_caches_take_the_layer_by_layer_way(model: LlamaModel) -> None:
+TREE = (-1, -1, 0, 0, 1, 3)  # two children of the root, two under the first, one under the second, one deeper
+
+
+def tree_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.Tensor]:
+    """A prompt per sequence, then one forward of a draft tree (7 rows) for sequence a beside a chain of 2 for b,
+    and one of a tree for b alone: every row's logits and layer 1's input."""
     kernel = model.decoder_kernel
-    cache = model.new_cache(32)
+    model.decoder_kernel = kernel if use_kernel else None
+    try:
+        cache = model.new_paged_cache(64, 24, 4, 2) if paged else model.new_cache(64, 2)
+        a, b = cache.allocate(), cache.allocate()
+        ids = torch.arange(40) * 11 % CFG.vocab_size
+        model.prefill(ids[:13], cache, a)
+        model.prefill(ids[13:22], cache, b)
+        segs = [Segment(a, 13, 7, tree=TREE), Segment(b, 9, 2)]
+        o1 = model(ids[22:31], segs, cache, logits_indices=range(9), capture_layers=(1,))
+        cache.commit_rows(a, [0, 1, 3])  # the root and an accepted path
+        cache.commit(b, 2)
+        o2 = model(ids[31:38], [Segment(b, 11, 7, tree=TREE)], cache, logits_indices=range(7), capture_layers=(1,))
+        return [o1.logits, o1.hidden[1], o2.logits, o2.hidden[1]]
+    finally:
+        model.decoder_kernel = kernel
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_draft_trees_in_one_call_equal_the_layer_by_layer_forward_bitwise(model: LlamaModel, paged: bool) -> None:
+    """Tree rows attend to the context (inside the window of their RoPE position), their ancestors and themselves."""
+    assert model.decoder_kernel.covers([Segment(0, 0, 7, tree=TREE)], model.new_cache(16))
+    for i, (x, y) in enumerate(zip(tree_steps(model, paged, True), tree_steps(model, paged, False))):
+        assert torch.equal(x, y), (i, (x - y).abs().max())
+
+
+def test_what_the_call_does_not_cover_goes_layer_by_layer(model: LlamaModel) -> None:
+    kernel = model.decoder_kernel
+    cache = model.new_cache(128)
     assert kernel.covers([Segment(0, 0, 4)], cache)
-    assert not kernel.covers([Segment(0, 0, 4, tree=(0, 0, 1))], cache)
+    assert not kernel.covers([Segment(0, 0, 65, tree=(-1,) * 64)], cache)  # past a 64-bit row mask
+    assert not kernel.covers([Segment(0, 0, 8, tree=tuple(range(-1, 6)))], cache)  # depth 7: past the window of 6
     bf16 = model.new_cache(32)
     bf16.k = [t.bfloat16() for t in bf16.k]
     assert not kernel.covers([Segment(0, 0, 4)], bf16)

@@ -183,8 +183,8 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_rope.argtypes = [p, i64, i64, i64, i64, p, p]
     lib.vs_rope.restype = i32
     f32 = ctypes.c_float
-    lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, i64, i64, p,
-                               i32]
+    lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, p, p, p,
+                               i64, i64, p, i32]
     lib.vs_decoder.restype = i32
     lib.vs_has_avx2.restype = i32
     return Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists())

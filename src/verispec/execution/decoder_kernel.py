@@ -6,9 +6,10 @@ gate_up, SwiGLU + down + residual), but each is reached through Python: at one t
 argument checks and the attention plan cost about as much as the arithmetic. `vs_decoder` runs the same C functions
 in the same order for all layers, so its result is bitwise the layer-by-layer one (the tests hold it to that), in
 one call. It covers what the path's layers do without extra weights: fused GGUF-block linears everywhere, no
-biases, no q/k norm, float32 activations and cache, token chains (a draft tree's block goes the layer-by-layer way).
-The rows may belong to several sequences of a slot cache or a paged one; each row attends alone (its own keys, in
-its own order), so the result is batch-invariant as the path is.
+biases, no q/k norm, float32 activations and cache. The rows may belong to several sequences of a slot cache or a
+paged one, as chains or draft trees of up to 64 rows (a node attends to the context, its ancestors and itself, at
+the RoPE position of its depth); each row attends alone (its own keys, in ascending position), so the result is
+batch-invariant as the path is.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 from verispec.config import ModelConfig
 from verispec.execution.cpu_kernels import KINDS, Library, load
 from verispec.execution.q8act import Q8ActWeight
+from verispec.models.tree import depths
 
-_p, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+_p, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
+TREE_ROWS = 64  # a tree block's rows are one bit each of a 64-bit mask
 
 
 class _Layer(ctypes.Structure):  # csrc/cpu.c's vs_layer
@@ -45,6 +48,7 @@ class DecoderKernel:
         self._keep = [getattr(L, n) if n in ("attn_norm", "mlp_norm") else getattr(L, n).tiles for L in layers
                       for n in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")]
         self._first = layers[0]
+        self._windows = {cfg.layer_window(i) for i in range(len(layers))}
         self._table = (_Layer * len(layers))(*[
             _Layer(L.qkv.tiles.data_ptr(), L.o.tiles.data_ptr(), L.gate_up.tiles.data_ptr(), L.down.tiles.data_ptr(),
                    KINDS[L.qkv.kind], KINDS[L.o.kind], KINDS[L.gate_up.kind], KINDS[L.down.kind],
@@ -66,12 +70,17 @@ class DecoderKernel:
         return cls(model.cfg, layers, load())  # type: ignore[attr-defined]
 
     def covers(self, segments: Sequence, cache: object) -> bool:
-        """Whether a forward over `segments` into `cache` can run here: the weights it was built on, chains only,
-        a float32 CPU cache."""
+        """Whether a forward over `segments` into `cache` can run here: the weights it was built on, chains or trees
+        of at most TREE_ROWS rows, a float32 CPU cache."""
         k0 = cache.k[0]  # type: ignore[attr-defined]
         first = self._first
         return (first.attn_norm is self._keep[4] and first.qkv.tiles is self._keep[0] and k0.dtype is torch.float32 and k0.device.type == "cpu" and k0.is_contiguous()
-                and all(s.tree is None for s in segments))
+                and all(s.tree is None or self._tree_fits(s) for s in segments))
+
+    def _tree_fits(self, s) -> bool:
+        """A tree of at most TREE_ROWS rows whose depth every window reaches past (else the layer-by-layer path
+        says why it cannot run)."""
+        return s.length <= TREE_ROWS and all(w is None or w > max(depths(s.tree)) for w in self._windows)
 
     def run(self, x: torch.Tensor, segments: Sequence, cache: object, cos: torch.Tensor, sin: torch.Tensor,
             capture: Sequence[int] = ()) -> dict[int, torch.Tensor]:
@@ -84,25 +93,32 @@ class DecoderKernel:
             raise ValueError(f"decoder kernel: x must be a contiguous float32 [N, {c.hidden_size}]")
         cos = cos.reshape(n, c.head_dim).contiguous()
         sin = sin.reshape(n, c.head_dim).contiguous()
-        pos, base, toff, tables, bs, hstride = _addressing(segments, cache)
+        pos, rpos, hi, anc, base, toff, tables, bs, hstride = _addressing(segments, cache)
         hidden = {i: torch.empty_like(x) for i in capture if i < c.num_layers}
         caps = _array(_p, [hidden[i].data_ptr() if i in hidden else 0 for i in range(c.num_layers)]) if hidden else None
         rc = self.lib.lib.vs_decoder(
             self._table, c.num_layers, _array(_p, [t.data_ptr() for t in cache.k]),  # type: ignore[attr-defined]
             _array(_p, [t.data_ptr() for t in cache.v]), c.hidden_size, c.num_heads,  # type: ignore[attr-defined]
             c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5, x.data_ptr(), n,
-            cos.data_ptr(), sin.data_ptr(), pos, base, tables, toff, bs, hstride, caps, torch.get_num_threads())
+            cos.data_ptr(), sin.data_ptr(), pos, rpos, hi, anc, base, tables, toff, bs, hstride, caps,
+            torch.get_num_threads())
         if rc:
             raise RuntimeError(f"vs_decoder failed ({'bad shapes' if rc == -1 else 'out of memory'})")
         return hidden
 
 
-def _addressing(segments: Sequence, cache: object
-                ) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, ctypes.Array, int, int]:
-    """Per row: its position, its sequence's first element in a layer's cache tensor and its block table's offset;
-    the block tables, the block size and the element stride between kv heads (csrc/cpu.c's vs_rows)."""
+def _addressing(segments: Sequence, cache: object) -> tuple:
+    """Per row: its cache position, RoPE position, the end of its consecutive visible keys and the bits of the
+    tree rows it also sees (csrc/cpu.c's vs_decoder), its sequence's first element in a layer's cache tensor and its
+    block table's offset; then the block tables, the block size and the element stride between kv heads."""
     k0 = cache.k[0]  # type: ignore[attr-defined]
-    pos, base, toff, tables = [], [], [], []
+    pos: list[int] = []
+    rpos: list[int] = []
+    hi: list[int] = []
+    anc: list[int] = []
+    base: list[int] = []
+    toff: list[int] = []
+    tables: list[int] = []
     paged = hasattr(cache, "table")
     for s in segments:
         off = len(tables)
@@ -110,10 +126,26 @@ def _addressing(segments: Sequence, cache: object
             tables.extend(cache.table(s.slot))  # type: ignore[attr-defined]
         else:
             tables.append(0)
-        first = 0 if paged else s.slot * k0.stride(0)
         pos.extend(range(s.start, s.start + s.length))
-        base.extend([first] * s.length)
+        if s.tree is None:
+            rpos.extend(range(s.start, s.start + s.length))
+            hi.extend(range(s.start + 1, s.start + s.length + 1))
+            anc.extend([0] * s.length)
+        else:
+            rpos.extend(s.start + d for d in depths(s.tree))
+            hi.extend([s.start] * s.length)
+            anc.extend(_ancestor_bits(s.tree))
+        base.extend([0 if paged else s.slot * k0.stride(0)] * s.length)
         toff.extend([off] * s.length)
     bs = cache.block_size if paged else k0.shape[2]  # type: ignore[attr-defined]
-    return (_array(_i64, pos), _array(_i64, base), _array(_i64, toff), _array(_i32, tables or [0]), bs,
-            k0.stride(1))
+    return (_array(_i64, pos), _array(_i64, rpos), _array(_i64, hi), _array(_u64, anc), _array(_i64, base),
+            _array(_i64, toff), _array(_i32, tables or [0]), bs, k0.stride(1))
+
+
+def _ancestor_bits(parents: Sequence[int]) -> list[int]:
+    """Per row of a tree block (root first, then one per node; parents[i]: node i's parent, -1 the root): bit b set
+    where the row sees row b (itself and its ancestors), as models/tree.py's `ancestor_mask`."""
+    bits = [1]
+    for i, par in enumerate(parents):
+        bits.append(bits[par + 1] | 1 << (i + 1))
+    return bits

@@ -518,8 +518,10 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
 }
 
 /* --- every decoder layer of one forward in one call (the gguf-q8act path's `DecoderKernel`) ---
- * Rows are tokens of chains (no draft trees): row r sits at position pos[r] of its sequence and sees its keys
- * lo .. pos[r] (lo = pos[r] - window + 1 in a sliding-window layer, else 0). The cache's layer tensors hold
+ * Row r's K/V go to position pos[r] of its sequence; its RoPE position is rpos[r]. It sees the keys lo .. hi[r] - 1
+ * (lo = rpos[r] - window + 1 in a sliding-window layer, else 0), then hi[r] + j for each bit j of anc[r], in that
+ * (ascending) order: a chain's row has hi = pos + 1 and no bits; a draft tree's node has hi = the tree's first
+ * position and the bits of its ancestors and itself. The cache's layer tensors hold
  * kv head h, position j of row r's sequence at element base[r] + h * hstride + phys(j) * hd, where
  * phys(j) = table[j / bs] * bs + j % bs with the row's block table at tables + toff[r] (a slot cache: one entry
  * 0 and bs = its length). Each layer runs what models/llama.py's `Layer.forward` runs on this path, with the same
@@ -534,21 +536,29 @@ typedef struct {
 
 typedef struct {
     float *k, *v; /* the layer's cache */
-    const int64_t *pos, *base, *toff;
+    const int64_t *pos, *rpos, *hi, *base, *toff;
+    const uint64_t *anc;
     const int32_t *tables;
     int64_t bs, hstride;
 } vs_rows;
+
+static inline int64_t row_lo(const vs_rows *R, int64_t r, int64_t window) { /* never past hi: a count >= 0 */
+    const int64_t lo = window && R->rpos[r] - window + 1 > 0 ? R->rpos[r] - window + 1 : 0;
+    return lo < R->hi[r] ? lo : R->hi[r];
+}
 
 static inline int64_t phys(const vs_rows *R, int64_t r, int64_t j) {
     return (int64_t)R->tables[R->toff[r] + j / R->bs] * R->bs + j % R->bs;
 }
 
-/* one query head's attention: q [hd] against the row's keys lo .. hi of kv head h; s: scratch of hi - lo + 1 */
-static void attend_row(const vs_rows *R, int64_t r, int64_t h, const float *q, int64_t lo, int64_t hi, int64_t hd,
-                       float scale, float *s, float *out, int vec) {
-    const int64_t L = hi - lo + 1, head = R->base[r] + h * R->hstride;
-    for (int64_t j = lo; j <= hi;) { /* runs of consecutive positions: one block each */
-        const int64_t end = (j / R->bs + 1) * R->bs < hi + 1 ? (j / R->bs + 1) * R->bs : hi + 1;
+/* one query head's attention: q [hd] against row r's keys lo .. hi - 1 and hi + (bits of anc) of kv head h;
+ * s: scratch of their count */
+static void attend_row(const vs_rows *R, int64_t r, int64_t h, const float *q, int64_t lo, int64_t hi, uint64_t anc,
+                       int64_t hd, float scale, float *s, float *out, int vec) {
+    const int64_t head = R->base[r] + h * R->hstride;
+    int64_t L = hi - lo;
+    for (int64_t j = lo; j < hi;) { /* runs of consecutive positions: one block each */
+        const int64_t end = (j / R->bs + 1) * R->bs < hi ? (j / R->bs + 1) * R->bs : hi;
         const float *kp = R->k + head + phys(R, r, j) * hd;
 #ifdef VS_AVX2
         if (vec) scores_avx2(q, 0, kp, hd, NULL, 0, 1, end - j, hd, scale, s + (j - lo));
@@ -557,12 +567,23 @@ static void attend_row(const vs_rows *R, int64_t r, int64_t h, const float *q, i
             scores_ref(q, 0, kp, hd, NULL, 0, 1, end - j, hd, scale, s + (j - lo));
         j = end;
     }
+    for (uint64_t m = anc; m; m &= m - 1, L++) { /* a tree node's ancestors and itself */
+        const float *kp = R->k + head + phys(R, r, hi + __builtin_ctzll(m)) * hd;
+#ifdef VS_AVX2
+        if (vec) scores_avx2(q, 0, kp, hd, NULL, 0, 1, 1, hd, scale, s + L);
+        else
+#endif
+            scores_ref(q, 0, kp, hd, NULL, 0, 1, 1, hd, scale, s + L);
+    }
     const float inv = softmax_row(s, L, vec);
     for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
-    for (int64_t j = lo; j <= hi; j++) {
+    for (int64_t j = lo; j < hi; j++) {
         const float p = s[j - lo];
         if (p != 0.0f) axpy(out, R->v + head + phys(R, r, j) * hd, p * inv, hd, vec);
     }
+    int64_t i = hi - lo;
+    for (uint64_t m = anc; m; m &= m - 1, i++)
+        if (s[i] != 0.0f) axpy(out, R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd, s[i] * inv, hd, vec);
 }
 
 /* the attention of N rows' H heads (G = H / KH per kv head) from qkv [N, (H + 2 KH) hd] into att [N, H hd] */
@@ -571,9 +592,9 @@ static int attend_rows(const vs_rows *R, const float *qkv, int64_t N, int64_t H,
     const int64_t W = (H + 2 * KH) * hd, G = H / KH;
     int64_t most = 1, work = 0;
     for (int64_t r = 0; r < N; r++) {
-        const int64_t lo = window && R->pos[r] - window + 1 > 0 ? R->pos[r] - window + 1 : 0;
-        most = R->pos[r] - lo + 1 > most ? R->pos[r] - lo + 1 : most;
-        work += R->pos[r] - lo + 1;
+        const int64_t count = R->hi[r] - row_lo(R, r, window) + __builtin_popcountll(R->anc[r]);
+        most = count > most ? count : most;
+        work += count;
     }
 #ifdef VS_AVX2
     const int vec = hd % 8 == 0;
@@ -589,8 +610,8 @@ static int attend_rows(const vs_rows *R, const float *qkv, int64_t N, int64_t H,
         for (int64_t i = 0; i < N * H; i++) {
             if (!s) continue;
             const int64_t r = i / H, a = i % H;
-            const int64_t lo = window && R->pos[r] - window + 1 > 0 ? R->pos[r] - window + 1 : 0;
-            attend_row(R, r, a / G, qkv + r * W + a * hd, lo, R->pos[r], hd, scale, s, att + (r * H + a) * hd, vec);
+            attend_row(R, r, a / G, qkv + r * W + a * hd, row_lo(R, r, window), R->hi[r], R->anc[r], hd, scale, s,
+                       att + (r * H + a) * hd, vec);
         }
         free(s);
     }
@@ -609,12 +630,13 @@ static void write_kv(const vs_rows *R, const float *qkv, int64_t N, int64_t H, i
 }
 
 /* x [N, d] (float32, in place) through layers 0 .. nl - 1; kc, vc: each layer's cache tensors; cos, sin [N, hd]
- * the rows' RoPE; capture: per layer NULL or an [N, d] buffer that gets x as it enters the layer. Returns 0, -1
+ * the rows' RoPE (at rpos); capture: per layer NULL or an [N, d] buffer that gets x as it enters the layer. Returns 0, -1
  * for bad shapes, -2 without memory. */
 int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *const *vc, int64_t d, int64_t H,
                int64_t KH, int64_t hd, int64_t I, float eps, float scale, float *x, int64_t N, const float *cos,
-               const float *sin, const int64_t *pos, const int64_t *base, const int32_t *tables, const int64_t *toff,
-               int64_t bs, int64_t hstride, float *const *capture, int nthreads) {
+               const float *sin, const int64_t *pos, const int64_t *rpos, const int64_t *hi, const uint64_t *anc,
+               const int64_t *base, const int32_t *tables, const int64_t *toff, int64_t bs, int64_t hstride,
+               float *const *capture, int nthreads) {
     if (N <= 0) return 0;
     if (KH <= 0 || H % KH || hd > 512 || hd % 2) return -1;
     const int64_t W = (H + 2 * KH) * hd;
@@ -624,7 +646,7 @@ int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *cons
     int rc = 0;
     for (int64_t l = 0; l < nl && !rc; l++) {
         const vs_layer *L = layers + l;
-        const vs_rows R = {kc[l], vc[l], pos, base, toff, tables, bs, hstride};
+        const vs_rows R = {kc[l], vc[l], pos, rpos, hi, base, toff, anc, tables, bs, hstride};
         if (capture && capture[l]) memcpy(capture[l], x, (size_t)(N * d) * sizeof(float));
         rc = vs_linear(L->qkv, L->qkv_kind, W, d, x, 0, N, qkv, 0, nthreads, 0, L->attn_norm, eps, NULL, 0);
         if (rc) break;
