@@ -74,3 +74,16 @@ def test_sampling_params_validation():
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_argmax_rows_is_torchs_argmax_first_of_equals_included() -> None:
+    from verispec.execution.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 49152, generator=g)
+    x[1, 7] = x[1, 9000] = x[1].max() + 1  # a tie: the first wins
+    x[2, 123] = float("nan")  # NaN counts as the largest, as in torch
+    x[3] = 0.0
+    for t in (x, x[0], x.bfloat16(), x[:, :100].t()):  # float32 rows, one row, bf16 (torch's), a strided view
+        assert argmax_rows(t) == t.argmax(-1).reshape(-1).tolist()
+    assert argmax_rows(x)[1:4] == [7, 123, 0]

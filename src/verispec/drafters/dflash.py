@@ -37,7 +37,7 @@ from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
 from verispec.drafters.dspark_head import calibrated_confidence
 from verispec.drafters.path_selector import walk
-from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
 from verispec.models.tree import TreeDraft
 
 TREE_TOPK = 4  # children considered per expanded node
@@ -148,7 +148,7 @@ class DFlashDrafter:
             return self._select(U, h, int(context[-1]), g)
         if self.model.markov is None:
             if p.greedy:
-                return Draft(U[:g].argmax(-1).tolist())
+                return Draft(argmax_rows(U[:g]))
             q = target_probs(U[:g], p.temperature, p.top_k, p.top_p)  # [g, V]
             return Draft(torch.multinomial(q, 1, generator=self.generator).squeeze(-1).tolist(), q)
         qs: list[torch.Tensor] = []

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.drafters.base import Draft
-from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
@@ -290,7 +290,8 @@ class Eagle3Drafter:
     def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """[Vd] -> (target token id, q over the target vocabulary or None when greedy)."""
         if self.params.greedy:
-            return int(self.head.to_target_ids(draft_logits.argmax())), None
+            j = argmax_rows(draft_logits)[0]
+            return j + int(self.head.d2t[j]), None  # to_target_ids of one id
         p = self.params
         q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
         return int(torch.multinomial(q, 1, generator=self.generator)), q

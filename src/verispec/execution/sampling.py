@@ -98,3 +98,12 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x.softmax(-1)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """[..., V] -> the index of each row's largest value (the first of equals, as torch's), flattened to a list.
+    A float32 CPU tensor goes through numpy: torch's CPU argmax over a 49,152-token vocabulary costs ~0.1 ms per
+    row on a 2-core machine (~1.5 ms for a verify block of 8), numpy's ~10 us; the greedy path takes one per step."""
+    if logits.device.type == "cpu" and logits.dtype is torch.float32 and not logits.requires_grad:
+        return logits.detach().numpy().argmax(-1).reshape(-1).tolist()
+    return logits.argmax(-1).reshape(-1).tolist()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
 from verispec.execution.verify import residual
 from verispec.models.tree import TreeDraft, children
 
@@ -37,7 +37,7 @@ class TreeVerdict:
 
 def verify_tree_greedy(tree: TreeDraft, target_logits: torch.Tensor) -> TreeVerdict:
     """target_logits: [N + 1, V]. The longest root path whose tokens are the target's argmax at every step."""
-    best = target_logits.argmax(-1).tolist()  # [N + 1]
+    best = argmax_rows(target_logits)  # [N + 1]
     kids = children(tree.parents)
     path: list[int] = []
     row = 0

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from verispec.execution.drift import lossy_drift
-from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ EXACT = AcceptanceConfig()
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """draft: [g]; target_logits: [g + 1, V]. Accept while x_k == argmax p_k; then append argmax."""
-    best = target_logits.argmax(-1).tolist()  # [g + 1]
+    best = argmax_rows(target_logits)  # [g + 1]
     d = draft.tolist()
     n = 0
     while n < len(d) and d[n] == best[n]:
