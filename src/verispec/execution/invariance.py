@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.models.llama import LlamaModel, Weight, _linear
+from verispec.models.linear import Weight, linear
+from verispec.models.llama import LlamaModel
 
 ROWS = 16  # the largest block checked
 BLOCKS = (1, 2, 4, 8, ROWS)
@@ -33,9 +34,9 @@ def rows_invariant(w: Weight, k: int, dtype: torch.dtype, device: torch.device, 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ROWS, k, generator=g).to(device=device, dtype=dtype)  # [16, k]
     with torch.inference_mode():
-        full = _linear(x, w, None)  # [16, N]
+        full = linear(x, w, None)  # [16, N]
         for m in BLOCKS[:-1]:
-            parts = torch.cat([_linear(x[i : i + m], w, None) for i in range(0, ROWS, m)])  # [16, N]
+            parts = torch.cat([linear(x[i : i + m], w, None) for i in range(0, ROWS, m)])  # [16, N]
             if not torch.equal(parts, full):
                 return False
     return True

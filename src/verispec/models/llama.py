@@ -10,7 +10,9 @@ of the new positions, the segments, the attention plan per window size, the cach
 `Layer.forward(x, ctx)` with it. The plan (models/attention.py) batches the attention of many sequences into few
 calls per layer. On CPU at one token per step a layer is ~60 small ops besides its 4 matmuls, each costing
 microseconds of dispatch, so the layer code keeps that count low (in-place ops, no Python-number operands, one
-dtype conversion of q per layer, views instead of copies) without changing the arithmetic.
+dtype conversion of q per layer, views instead of copies) without changing the arithmetic; the linears and the
+RMSNorm are models/linear.py's. A model with a `decoder_kernel` (the gguf-q8act path, execution/decoder_kernel.py)
+runs all its layers in one call of it instead, with the same arithmetic.
 `LlamaModel.prefill` / `prefill_fresh` are the one "forward over tokens in an empty slot, then commit" helper.
 Weights keep their fused names (`layer.qkv`, `layer.o`, `layer.gate_up`, `layer.attn_norm`, ...): the loader,
 the drafters and `load_hf_state_dict` address them directly.
@@ -28,6 +30,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.models.attention import AttentionKernel, AttentionPlan, CacheShape, attend_group, plan_attention
+from verispec.models.linear import fuses, linear, norm_linear, residual_linear, rms_norm
 from verispec.models.mtp_layout import is_mtp_tensor
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.models.tree import depths
@@ -81,25 +84,6 @@ def _offsets(s: Segment) -> Sequence[int]:
     return range(s.length) if s.tree is None else depths(s.tree)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., d], w: [d] -> [..., d]. HF's arithmetic: normalise in fp32, round to x's dtype, then scale."""
-    xf = x.float()  # [..., d]
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):  # drafters train through it
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    # The same arithmetic in fewer, cheaper ops (this runs twice per layer per forward): x*x is pow(x, 2), mean is
-    # sum / d, eps + sum / d is one addcdiv (the same two roundings), in-place where the tensor is ours, and the
-    # scalars as cached fp32 tensors (a Python number makes an op convert a wrapped scalar first).
-    ss = (xf * xf).sum(-1, keepdim=True)  # [..., 1]
-    r = torch.addcdiv(_fp32_scalar(eps, x.device), ss, _fp32_scalar(x.shape[-1], x.device)).rsqrt_()
-    y = (xf * r if xf is x else xf.mul_(r)).to(x.dtype)  # normalised, rounded to x's dtype
-    return y.mul_(w) if w.dtype == y.dtype else w * y
-
-
-@functools.lru_cache(maxsize=None)
-def _fp32_scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim fp32 tensor holding `value`: the operand an op would otherwise build from a Python number."""
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
-
 
 # in-place RoPE of the first `heads` heads of each row: (x [N, W] fp32, heads, head_dim, cos, sin) -> None
 RopeKernel = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
@@ -112,42 +96,6 @@ class DecoderKernelLike(Protocol):
     def run(self, x: torch.Tensor, segments: Sequence[Segment], cache: Cache, cos: torch.Tensor, sin: torch.Tensor,
             capture: Sequence[int] = ()) -> dict[int, torch.Tensor]: ...
 
-
-# A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
-# `Int4Weight`, put there by models/quantized.py) that multiplies itself: w(h [N, in]) -> [N, out].
-Weight = torch.Tensor | nn.Module
-
-
-def _linear(h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    """h: [N, in] -> h W^T (+ b): [N, out]. A kernel module's `forward` is called directly: no hooks to run."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(h, w, b)
-    y = w.forward(h)  # [N, out], a new tensor
-    return y if b is None else (y.add_(b) if y.dtype == b.dtype else y + b)
-
-
-def _fuses(w: Weight) -> bool:
-    """Whether w is a kernel module that takes the input's RMSNorm and the residual into its call."""
-    return not isinstance(w, torch.Tensor) and getattr(type(w), "fuses_norm", False)
-
-
-def _norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    """rms_norm(x: [N, in]) W^T (+ b): [N, out]. A kernel module that normalises as it reads its input (execution/
-    q8act.py, fp32) does both in one call, with its own arithmetic for the norm."""
-    if b is None and _fuses(w) and x.dtype is torch.float32 and norm.dtype is torch.float32:
-        return w.matmul(x, norm=norm, eps=eps)  # type: ignore[operator]
-    return _linear(rms_norm(x, norm, eps), w, b)
-
-
-def _residual_linear(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when W is a tensor and there is no bias (or one kernel call
-    that adds the residual as it writes, for a kernel module that does)."""
-    if b is None and isinstance(w, torch.Tensor):
-        return torch.addmm(x, h, w.t())
-    if b is None and _fuses(w) and x.dtype is torch.float32 and h.dtype is torch.float32:
-        return w.matmul(h, residual=x)  # type: ignore[operator]
-    y = _linear(h, w, b)  # a new tensor: add the residual in place (x + y == y + x)
-    return y.add_(x) if y.dtype == x.dtype else x + y
 
 
 class Layer(nn.Module):
@@ -178,7 +126,7 @@ class Layer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x: [N, d] the residual entering the layer -> [N, d] the residual leaving it."""
         q, k, v = self.project_qkv(x, ctx.cos, ctx.sin, ctx.rope)  # [N, H, hd], [N, K, hd], [N, K, hd]
-        x = _residual_linear(x, self.attend(q, k, v, ctx), self.o, self.o_bias)  # [N, d]
+        x = residual_linear(x, self.attend(q, k, v, ctx), self.o, self.o_bias)  # [N, d]
         return self.feed_forward(x)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeKernel | None = None
@@ -186,7 +134,7 @@ class Layer(nn.Module):
         """x: [N, d] -> q [N, H, hd], k [N, K, hd] (normed where the model has q/k norm, rotated), v [N, K, hd].
         `rope`: a kernel rotating q and k in place (fp32 CPU), instead of `apply_rope`'s three ops."""
         n, H, K, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        flat = _norm_linear(x, self.attn_norm, self.eps, self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
+        flat = norm_linear(x, self.attn_norm, self.eps, self.qkv, self.qkv_bias)  # [N, (H + 2K) hd]
         qkv = flat.view(n, H + 2 * K, hd)
         if self.q_norm is None and rope is not None and flat.dtype is torch.float32 and flat.is_contiguous():
             rope(flat, H + K, hd, cos, sin)  # q and k heads rotated in place
@@ -228,11 +176,11 @@ class Layer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, d] residual after attention -> [N, d] after the SwiGLU MLP."""
-        h = _norm_linear(x, self.mlp_norm, self.eps, self.gate_up, self.gate_up_bias)  # [N, 2I]: gate | up
-        if self.down_bias is None and _fuses(self.down) and h.dtype is torch.float32 and x.dtype is torch.float32:
+        h = norm_linear(x, self.mlp_norm, self.eps, self.gate_up, self.gate_up_bias)  # [N, 2I]: gate | up
+        if self.down_bias is None and fuses(self.down) and h.dtype is torch.float32 and x.dtype is torch.float32:
             return self.down.matmul(h, swiglu=True, residual=x)  # type: ignore[operator]
         gate, up = h.chunk(2, dim=-1)
-        return _residual_linear(x, F.silu(gate).mul_(up), self.down, self.down_bias)  # gate, up: [N, I] each
+        return residual_linear(x, F.silu(gate).mul_(up), self.down, self.down_bias)  # gate, up: [N, I] each
 
 
 class LlamaModel(nn.Module):
@@ -422,7 +370,7 @@ class LlamaModel(nn.Module):
             last = None
             sel = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [M, d]
         head = self.output_weight() if self.head_weight is None else self.head_weight
-        return _linear(sel, head, None).float(), last  # [M, vocab]
+        return linear(sel, head, None).float(), last  # [M, vocab]
 
 
 def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cache,
