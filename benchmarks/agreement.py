@@ -17,11 +17,13 @@ Conditions:
     reference continuation (T when none does), reported as median (min..max); identical = prompts whose T tokens
     all match. `tf_vs_gen` (footer) = positions where the reference's teacher-forced argmax equals the token its
     own engine decode chose (the one-forward vs step-by-step check of the reference itself).
-  - Not compared: llama.cpp's own output on the same GGUF. llama-cpp-python has no wheel for this platform and
-    builds from source in ~14 min on the 2-core reference machine (see benchmarks/llama_cpp_sweep.sh); no
-    prebuilt llama.cpp binary was found here, so no llama.cpp row is reported.
+  - llama.cpp (optional, `--llama-logits TOOL`): benchmarks/llama_cpp_logits.cpp built against your own llama.cpp
+    build (see its header; llama.cpp is not a dependency) evaluates the same prompt + continuation on the same GGUF
+    in one batch (its default context: f16 KV cache) and returns the logits at the same positions. It is compared
+    with the reference like a path (a `llama.cpp` row: teacher-forced only, it does not decode), and every path is
+    also compared with it (a second table: top-1 agreement and |logit diff| against llama.cpp's logits).
 
-    python benchmarks/agreement.py --limit 2 --tokens 64 --json agreement.json
+    python benchmarks/agreement.py --limit 2 --tokens 64 [--llama-logits ./llama_cpp_logits] --json agreement.json
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 
 import numpy as np
@@ -66,11 +69,23 @@ def teacher_logits(llm: LLM, ids: list[int], n_prompt: int) -> torch.Tensor:
     return out.logits.float()
 
 
+def llama_logits(tool: str, gguf: str, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """float32 [T, vocab]: llama.cpp's logits predicting ids[n_prompt:] (benchmarks/llama_cpp_logits.cpp)."""
+    proc = subprocess.run([tool, gguf, str(torch.get_num_threads()), str(n_prompt - 1)],
+                          input=" ".join(map(str, ids[:-1])).encode(), capture_output=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"{tool} failed: {proc.stderr.decode(errors='replace')[-500:]}")
+    return torch.from_numpy(np.frombuffer(proc.stdout, dtype=np.float32).copy()).view(len(ids) - n_prompt, -1)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run_prompt(llms: dict[str, LLM], wp, tokens: int) -> tuple[list[dict], dict[str, np.ndarray], dict]:
+def run_prompt(llms: dict[str, LLM], wp, tokens: int, llama: str | None = None
+               ) -> tuple[list[dict], dict[str, np.ndarray], dict]:
+    """Records per path (and `llama.cpp`), |logit diff| against the reference per path (and against llama.cpp's
+    logits, keyed (path, "llama.cpp")), the reference's sanity counts."""
     ref = llms[REFERENCE]
     ids = prompt_ids(ref, wp)
     cont = greedy(ref, ids, tokens)
@@ -78,14 +93,20 @@ def run_prompt(llms: dict[str, LLM], wp, tokens: int) -> tuple[list[dict], dict[
     ref_logits = teacher_logits(ref, full, len(ids))
     ref_top = ref_logits.argmax(-1)
     sanity = {"prompt": wp.id, "tf_vs_gen": int((ref_top == torch.tensor(cont)).sum()), "positions": len(cont)}
+    ll = None if llama is None else llama_logits(llama, str(ref.resolved.gguf), full, len(ids))
     records, diffs = [], {}
-    for path, llm in llms.items():
-        logits = ref_logits if path == REFERENCE else teacher_logits(llm, full, len(ids))
-        own = cont if path == REFERENCE else greedy(llm, ids, tokens)
+    for path, llm in list(llms.items()) + ([("llama.cpp", None)] if ll is not None else []):
+        logits = ref_logits if path == REFERENCE else ll if llm is None else teacher_logits(llm, full, len(ids))
+        own = cont if path == REFERENCE else None if llm is None else greedy(llm, ids, tokens)
         diffs[path] = (logits - ref_logits).abs().flatten().numpy()
-        records.append({"workload": wp.workload, "prompt": wp.id, "path": path, "positions": len(cont),
-                        "top1_match": int((logits.argmax(-1) == ref_top).sum()),
-                        "first_div": first_divergence(own, cont), "identical": own == cont, "tokens": own})
+        rec = {"workload": wp.workload, "prompt": wp.id, "path": path, "positions": len(cont),
+               "top1_match": int((logits.argmax(-1) == ref_top).sum()),
+               "first_div": None if own is None else first_divergence(own, cont),
+               "identical": None if own is None else own == cont, "tokens": own}
+        if ll is not None:
+            diffs[(path, "llama.cpp")] = (logits - ll).abs().flatten().numpy()
+            rec["top1_vs_llama"] = int((logits.argmax(-1) == ll.argmax(-1)).sum())
+        records.append(rec)
     return records, diffs, sanity
 
 
@@ -94,35 +115,38 @@ def run(args) -> tuple[list[dict], dict[tuple[str, str], list[np.ndarray]], list
     records, diffs, sanity = [], {}, []
     for wl in args.workloads.split(","):
         for wp in load_workload(wl, limit=args.limit):
-            recs, d, s = run_prompt(llms, wp, args.tokens)
+            recs, d, s = run_prompt(llms, wp, args.tokens, args.llama_logits)
             records += recs
             sanity.append(s)
-            for path, arr in d.items():
-                diffs.setdefault((wl, path), []).append(arr)
+            for key, arr in d.items():
+                diffs.setdefault((wl, key), []).append(arr)
             print(f"{wl} {wp.id} done", file=sys.stderr, flush=True)
     return records, diffs, sanity
 
 
-def summarise(group: str, path: str, recs: list[dict], arrs: list[np.ndarray]) -> dict:
+def summarise(group: str, path: str, recs: list[dict], arrs: list[np.ndarray], top1: str = "top1_match") -> dict:
     d = np.concatenate(arrs)
-    fd = [r["first_div"] for r in recs]
+    fd = [r["first_div"] for r in recs if r["first_div"] is not None]
     return {"workload": group, "path": path, "prompts": len(recs),
-            "top1": sum(r["top1_match"] for r in recs) / sum(r["positions"] for r in recs),
+            "top1": sum(r[top1] for r in recs) / sum(r["positions"] for r in recs),
             "max_diff": float(d.max()), "p99_diff": float(np.percentile(d, 99)),
             "median_diff": float(np.median(d)),
-            "first_div": f"{statistics.median(fd):g} ({min(fd)}..{max(fd)})",
-            "identical": f"{sum(r['identical'] for r in recs)}/{len(recs)}"}
+            "first_div": f"{statistics.median(fd):g} ({min(fd)}..{max(fd)})" if fd else "-",
+            "identical": f"{sum(bool(r['identical']) for r in recs)}/{len(recs)}" if fd else "-"}
 
 
-def rows(records: list[dict], diffs: dict) -> list[dict]:
+def rows(records: list[dict], diffs: dict, against: str | None = None) -> list[dict]:
+    """Per workload and overall, per path: agreement with the reference, or with `against` ("llama.cpp")."""
     workloads = list(dict.fromkeys(r["workload"] for r in records))
-    paths = list(dict.fromkeys(r["path"] for r in records))
+    paths = [p for p in dict.fromkeys(r["path"] for r in records) if p != against]
     out = []
     for wl in workloads + ["all"]:
         for path in paths:
             recs = [r for r in records if r["path"] == path and wl in ("all", r["workload"])]
-            arrs = [a for (w, p), xs in diffs.items() if p == path and wl in ("all", w) for a in xs]
-            out.append(summarise(wl, path, recs, arrs))
+            key = path if against is None else (path, against)
+            arrs = [a for (w, k), xs in diffs.items() if k == key and wl in ("all", w) for a in xs]
+            row = summarise(wl, path, recs, arrs, "top1_match" if against is None else "top1_vs_llama")
+            out.append(row if against is None else dict(row, first_div="-", identical="-"))
     return out
 
 
@@ -142,6 +166,7 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--limit", type=int, default=2, help="prompts per workload")
     p.add_argument("--tokens", type=int, default=64, help="T: continuation length")
+    p.add_argument("--llama-logits", default=None, help="benchmarks/llama_cpp_logits.cpp, built: adds llama.cpp")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     records, diffs, sanity = run(args)
@@ -149,6 +174,11 @@ def main() -> int:
     print(f"Reference: {REFERENCE} (dense, dequantised from the GGUF); model {args.model}; T = {args.tokens}; "
           f"{args.limit} prompt(s) per workload; torch {torch.__version__}, {torch.get_num_threads()} threads.\n")
     print(markdown(table))
+    if args.llama_logits:
+        table_ll = rows(records, diffs, "llama.cpp")
+        print("\nAgainst llama.cpp's logits on the same GGUF (same positions; first_div / identical not applicable):\n")
+        print(markdown(table_ll))
+        table = table + [dict(r, against="llama.cpp") for r in table_ll]
     tf = sum(s["tf_vs_gen"] for s in sanity)
     print(f"\ntf_vs_gen: {tf}/{sum(s['positions'] for s in sanity)} positions (reference teacher-forced argmax == "
           "its own decoded token).")
