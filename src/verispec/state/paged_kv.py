@@ -142,9 +142,10 @@ class PagedKVCache:
             raise OutOfBlocks(str(e)) from e
         self._check_private(s, s.length, n)
         s.pending = n
-        phys = self.positions(slot, s.length, n)
-        a = int(phys[0]) if n else 0
-        s.target = a if torch.equal(phys, torch.arange(a, a + n)) else phys.to(self.k[0].device)
+        B, table = self.block_size, s.blocks  # `positions`, in Python ints: a decode step reserves a row or a few
+        phys = [table[p // B] * B + p % B for p in range(s.length, s.length + n)]
+        a = phys[0] if n else 0
+        s.target = a if phys == list(range(a, a + n)) else torch.tensor(phys, device=self.k[0].device)
         return s.length
 
     def commit(self, slot: int, n: int) -> None:
