@@ -128,7 +128,7 @@ class Eagle3Head(nn.Module):
         """[n, d] -> [n, Vd] draft-vocabulary logits (float32)."""
         return self.lm_head(rms(h, self.norm, self.cfg.rms_norm_eps)).float()
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+    def to_target_ids(self, draft_ids: torch.Tensor | int) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -272,9 +272,8 @@ class Eagle3Drafter:
         """[n, len(layers) d] target features of the next committed positions (fused when next needed)."""
         if self.n_feat + feats.shape[0] > self._fused.shape[0]:
             raise ValueError(f"EAGLE-3 features past its {self._fused.shape[0]} positions")
-        raw = feats.to(self._fused.dtype)
-        self._raw.append(raw.clone() if raw._base is not None or raw is feats else raw)  # not a view of the step
-        self._n_raw += raw.shape[0]
+        self._raw.append(feats.to(self._fused.dtype, copy=True))  # its own copy, not a view of the step's output
+        self._n_raw += feats.shape[0]
 
     def _run(self, emb: torch.Tensor, feat: torch.Tensor, start: int) -> torch.Tensor:
         """Write K/V at start.. and attend to 0..start+n-1 (causal). Returns the pre-norm outputs [n, d]."""
@@ -290,8 +289,7 @@ class Eagle3Drafter:
     def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """[Vd] -> (target token id, q over the target vocabulary or None when greedy)."""
         if self.params.greedy:
-            j = argmax_rows(draft_logits)[0]
-            return j + int(self.head.d2t[j]), None  # to_target_ids of one id
+            return int(self.head.to_target_ids(argmax_rows(draft_logits)[0])), None
         p = self.params
         q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
         return int(torch.multinomial(q, 1, generator=self.generator)), q

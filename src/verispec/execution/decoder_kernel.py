@@ -22,7 +22,7 @@ import torch
 from verispec.config import ModelConfig
 from verispec.execution.cpu_kernels import KINDS, Library, load
 from verispec.execution.q8act import Q8ActWeight
-from verispec.models.tree import depths
+from verispec.models.tree import ancestor_mask, depths
 
 _p, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 TREE_ROWS = 64  # a tree block's rows are one bit each of a 64-bit mask
@@ -44,10 +44,11 @@ class DecoderKernel:
     def __init__(self, cfg: ModelConfig, layers: Sequence[torch.nn.Module], lib: Library) -> None:
         self.cfg, self.lib = cfg, lib
         # the tensors the table points into stay alive with it; a model moved or cast since (new tensors) is
-        # no longer covered (`covers` compares the first layer's)
+        # no longer covered (`covers` compares the first layer's norm and qkv tiles with the ones built on)
         self._keep = [getattr(L, n) if n in ("attn_norm", "mlp_norm") else getattr(L, n).tiles for L in layers
                       for n in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")]
         self._first = layers[0]
+        self._built_on = (self._first.attn_norm, self._first.qkv.tiles)
         self._windows = {cfg.layer_window(i) for i in range(len(layers))}
         self._table = (_Layer * len(layers))(*[
             _Layer(L.qkv.tiles.data_ptr(), L.o.tiles.data_ptr(), L.gate_up.tiles.data_ptr(), L.down.tiles.data_ptr(),
@@ -74,7 +75,8 @@ class DecoderKernel:
         of at most TREE_ROWS rows, a float32 CPU cache."""
         k0 = cache.k[0]  # type: ignore[attr-defined]
         first = self._first
-        return (first.attn_norm is self._keep[4] and first.qkv.tiles is self._keep[0] and k0.dtype is torch.float32 and k0.device.type == "cpu" and k0.is_contiguous()
+        same_weights = first.attn_norm is self._built_on[0] and first.qkv.tiles is self._built_on[1]
+        return (same_weights and k0.dtype is torch.float32 and k0.device.type == "cpu" and k0.is_contiguous()
                 and all(s.tree is None or self._tree_fits(s) for s in segments))
 
     def _tree_fits(self, s) -> bool:
@@ -134,18 +136,10 @@ def _addressing(segments: Sequence, cache: object) -> tuple:
         else:
             rpos.extend(s.start + d for d in depths(s.tree))
             hi.extend([s.start] * s.length)
-            anc.extend(_ancestor_bits(s.tree))
+            anc.extend(sum(1 << b for b, seen in enumerate(row) if seen) for row in ancestor_mask(s.tree).tolist())
         base.extend([0 if paged else s.slot * k0.stride(0)] * s.length)
         toff.extend([off] * s.length)
     bs = cache.block_size if paged else k0.shape[2]  # type: ignore[attr-defined]
     return (_array(_i64, pos), _array(_i64, rpos), _array(_i64, hi), _array(_u64, anc), _array(_i64, base),
             _array(_i64, toff), _array(_i32, tables or [0]), bs, k0.stride(1))
 
-
-def _ancestor_bits(parents: Sequence[int]) -> list[int]:
-    """Per row of a tree block (root first, then one per node; parents[i]: node i's parent, -1 the root): bit b set
-    where the row sees row b (itself and its ancestors), as models/tree.py's `ancestor_mask`."""
-    bits = [1]
-    for i, par in enumerate(parents):
-        bits.append(bits[par + 1] | 1 << (i + 1))
-    return bits

@@ -33,7 +33,6 @@ def _fp32_scalar(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-
 # A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
 # `Int4Weight`, put there by models/quantized.py) that multiplies itself: w(h [N, in]) -> [N, out].
 Weight = torch.Tensor | nn.Module
@@ -69,4 +68,3 @@ def residual_linear(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor
         return w.matmul(h, residual=x)  # type: ignore[operator]
     y = linear(h, w, b)  # a new tensor: add the residual in place (x + y == y + x)
     return y.add_(x) if y.dtype == x.dtype else x + y
-

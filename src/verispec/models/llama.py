@@ -84,7 +84,6 @@ def _offsets(s: Segment) -> Sequence[int]:
     return range(s.length) if s.tree is None else depths(s.tree)
 
 
-
 # in-place RoPE of the first `heads` heads of each row: (x [N, W] fp32, heads, head_dim, cos, sin) -> None
 RopeKernel = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 

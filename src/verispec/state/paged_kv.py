@@ -142,8 +142,7 @@ class PagedKVCache:
             raise OutOfBlocks(str(e)) from e
         self._check_private(s, s.length, n)
         s.pending = n
-        B, table = self.block_size, s.blocks  # `positions`, in Python ints: a decode step reserves a row or a few
-        phys = [table[p // B] * B + p % B for p in range(s.length, s.length + n)]
+        phys = self._physical(s, s.length, n)  # Python ints: a decode step reserves a row or a few per sequence
         a = phys[0] if n else 0
         s.target = a if phys == list(range(a, a + n)) else torch.tensor(phys, device=self.k[0].device)
         return s.length
@@ -201,9 +200,12 @@ class PagedKVCache:
     # ---- where positions live -------------------------------------------------------------------------------
     def positions(self, slot: int, start: int, n: int) -> torch.Tensor:
         """[n] physical positions (along the pool's axis) of the sequence's positions start .. start+n-1."""
-        p = torch.arange(start, start + n)
-        table = torch.tensor(self.slots[slot].blocks, dtype=torch.long)
-        return table[p // self.block_size] * self.block_size + p % self.block_size
+        return torch.tensor(self._physical(self.slots[slot], start, n), dtype=torch.long)
+
+    def _physical(self, s: SeqState, start: int, n: int) -> list[int]:
+        """`positions` as Python ints."""
+        B, table = self.block_size, s.blocks
+        return [table[p // B] * B + p % B for p in range(start, start + n)]
 
     def kv_rows(self, segments: Sequence, device: torch.device) -> torch.Tensor:
         """[N K] rows of a layer viewed as [K span, hd] that the segments' N new tokens' K/V go to, token-major."""
