@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import chi2_pvalue
-from verispec.execution.sampling import SamplingParams, target_probs
+from verispec.execution.sampling import SamplingParams, sample_index, sample_rows, target_probs
 from verispec.execution.verify import AcceptanceConfig, residual, verify_greedy, verify_sampled
 
 
@@ -87,3 +87,29 @@ def test_argmax_rows_is_torchs_argmax_first_of_equals_included() -> None:
     for t in (x, x[0], x.bfloat16(), x[:, :100].t()):  # float32 rows, one row, bf16 (torch's), a strided view
         assert argmax_rows(t) == t.argmax(-1).reshape(-1).tolist()
     assert argmax_rows(x)[1:4] == [7, 123, 0]
+
+
+def test_sample_rows_follows_each_row_and_never_draws_a_zero():
+    """The inverse-CDF sampler against closed-form distributions: several unnormalised rows with exact zeros
+    (as top-k / top-p and the residual leave them), many draws each; plus per-seed reproducibility."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(3, 12, generator=g) * 5  # [3, 12], unnormalised on purpose
+    probs[0, [0, 5, 11]] = 0.0  # zeros at both ends and inside
+    probs[1, :6] = 0.0
+    probs[2] = 0.0
+    probs[2, 7] = 2.0  # a point mass
+    n = 20000
+    counts = torch.zeros(3, 12)
+    for _ in range(n // 100):
+        draws = torch.tensor([sample_rows(probs, g) for _ in range(100)])  # [100, 3]
+        for r in range(3):
+            counts[r] += torch.bincount(draws[:, r], minlength=12)
+    assert counts[probs == 0].sum() == 0
+    assert counts[2, 7] == n
+    for r in range(2):
+        nz = probs[r] > 0
+        assert chi2_pvalue(counts[r][nz], probs[r][nz] / probs[r].sum()) > 1e-3
+    one = [sample_index(probs[0], torch.Generator().manual_seed(9)) for _ in range(2)]
+    assert one[0] == one[1]
+    wide = torch.softmax(torch.randn(49152, generator=g) * 3, -1)  # the default model's vocabulary
+    assert sample_index(wide, g) in range(49152)

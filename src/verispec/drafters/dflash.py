@@ -37,7 +37,7 @@ from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
 from verispec.drafters.dspark_head import calibrated_confidence
 from verispec.drafters.path_selector import walk
-from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, sample_rows, target_probs
 from verispec.models.tree import TreeDraft
 
 TREE_TOPK = 4  # children considered per expanded node
@@ -150,14 +150,14 @@ class DFlashDrafter:
             if p.greedy:
                 return Draft(argmax_rows(U[:g]))
             q = target_probs(U[:g], p.temperature, p.top_k, p.top_p)  # [g, V]
-            return Draft(torch.multinomial(q, 1, generator=self.generator).squeeze(-1).tolist(), q)
+            return Draft(sample_rows(q, self.generator), q)
         qs: list[torch.Tensor] = []
 
         def choose(z: torch.Tensor, _k: int) -> torch.Tensor:  # z: [1, V] -> [1]
             if p.greedy:
                 return z.argmax(-1)
             qs.append(target_probs(z, p.temperature, p.top_k, p.top_p)[0])
-            return torch.multinomial(qs[-1], 1, generator=self.generator)
+            return torch.tensor([sample_index(qs[-1], self.generator)], device=z.device)
 
         anchor = torch.tensor([int(context[-1])], device=self.device)
         toks, _, conf = self.model.markov.decode(U[None, :g], h[None, 1 : g + 1], anchor, choose)

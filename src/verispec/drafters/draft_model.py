@@ -8,7 +8,7 @@ import torch
 
 from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft
-from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel, Segment
 from verispec.state.kv_cache import KVCache
 
@@ -69,7 +69,7 @@ class DraftModelDrafter:
                 t = argmax_rows(logits)[0]
             else:
                 q = target_probs(logits[None], self.params.temperature, self.params.top_k, self.params.top_p)[0]
-                t = int(torch.multinomial(q, 1, generator=self.generator))
+                t = sample_index(q, self.generator)
                 probs.append(q)
             tokens.append(t)
             if i + 1 < k:

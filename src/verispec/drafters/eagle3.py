@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.drafters.base import Draft
-from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
@@ -292,7 +292,7 @@ class Eagle3Drafter:
             return int(self.head.to_target_ids(argmax_rows(draft_logits)[0])), None
         p = self.params
         q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return sample_index(q, self.generator), q
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
         """Run the committed pairs (f_j, x_{j+1}) not yet run, j = n_kv .. n_feat-1; returns the head's output

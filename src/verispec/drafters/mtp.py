@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.base import Draft
-from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, load_layer, rms_norm
 from verispec.models.mtp_layout import MTPLayout, MTPLayoutError, block_intermediate, detect, problems
 from verispec.state.kv_cache import KVCache
@@ -216,7 +216,7 @@ class MTPDrafter:
             return argmax_rows(logits)[0], None
         p = self.params
         q = target_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return sample_index(q, self.generator), q
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> Draft:

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.execution.sampling import sample_index
+
 FILES = ("path_selector.json", "path_selector.safetensors")  # stored next to the DFlash checkpoint's own files
 
 
@@ -146,7 +148,7 @@ def walk(lat: Lattice, selector: PathSelector, embed: torch.Tensor, anchor: int,
             j = int(z.argmax())
         else:
             q = torch.softmax(z / temperature, -1)
-            j = int(torch.multinomial(q, 1, generator=generator))
+            j = sample_index(q, generator)
             dists.append(q)
         prev = int(lat.cand[k, j])
         tokens.append(prev)

@@ -107,3 +107,20 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype is torch.float32 and not logits.requires_grad:
         return logits.detach().numpy().argmax(-1).reshape(-1).tolist()
     return logits.argmax(-1).reshape(-1).tolist()
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    """[..., V] probabilities (rows need not sum to exactly 1) -> one index per row drawn from that row, by the
+    inverse CDF: one float64 uniform per row from `generator`, located in the row's float64 running sum.
+    A zero-probability index is never drawn (its running sum equals its predecessor's). torch.multinomial(p, 1)
+    costs ~1.3 ms for a 49,152-token row on a 2-core CPU (an exponential variate per token); this ~0.1 ms."""
+    rows = probs.reshape(-1, probs.shape[-1])  # [M, V]
+    cdf = rows.double().cumsum(-1)  # [M, V]
+    u = torch.rand(rows.shape[0], 1, dtype=torch.float64, generator=generator, device=rows.device)  # [M, 1]
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [M, 1] first index whose running sum passes u
+    return idx.clamp_max(rows.shape[-1] - 1).reshape(-1).tolist()
+
+
+def sample_index(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """[V] probabilities -> one index drawn from them (`sample_rows` of one row)."""
+    return sample_rows(p[None], generator)[0]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.execution.verify import residual
 from verispec.models.tree import TreeDraft, children
 
@@ -67,7 +67,7 @@ def verify_tree_sampled(tree: TreeDraft, p: torch.Tensor, generator: torch.Gener
                 break
             r = residual(r, q, x)
         else:  # no child accepted, or a leaf: the last token comes from what is left
-            extra = int(torch.multinomial(r, 1, generator=generator))
+            extra = sample_index(r, generator)
             return TreeVerdict(path, [tree.tokens[c] for c in path] + [extra])
 
 

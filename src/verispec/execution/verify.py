@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from verispec.execution.drift import lossy_drift
-from verispec.execution.sampling import SamplingParams, argmax_rows, target_probs
+from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def verify_sampled(
         last = residual(p[n], None if q is None else q[n], int(draft[n]))
     else:
         last = p[n]
-    extra = int(torch.multinomial(last, 1, generator=generator))
+    extra = sample_index(last, generator)
     if rule.rule == "exact":
         return Verdict(n, draft[:n].tolist() + [extra])
     drift = lossy_drift(draft, q, p[:g], ok, u * q_x <= p_x, n, rule)  # consumes no randomness
