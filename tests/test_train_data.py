@@ -94,3 +94,18 @@ def test_project_corpus_does_not_reuse_benchmark_prompts():
     assert len(ours) >= 150 and {p["kind"] for p in ours} == set(WORKLOADS)
     shared = [p["id"] for p in ours if windows(p["prompt"]) & bench]
     assert not shared, f"training prompts share an 8-word run with benchmark prompts: {shared[:5]}"
+
+
+def test_prompt_files_split_at_newlines_only(tmp_path):
+    """A JSONL string may hold U+2028 (as arena-hard-v2.jsonl does): str.splitlines() would cut the line there."""
+    import json
+
+    from verispec.train.data import read_prompt_file
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"turns": ["a\u2028b"]}, ensure_ascii=False) + "\n\n" + json.dumps({"prompt": "c"}) + "\n",
+                 encoding="utf-8")
+    assert [p["messages"][0]["content"] for p in read_prompt_file(str(f), None)] == ["a\u2028b", "c"]
+    f.write_text('{"turns": ["x"]}\n{"turns": [\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="line 2: not JSON"):
+        read_prompt_file(str(f), None)

@@ -34,10 +34,14 @@ def default_layers(num_layers: int) -> list[int]:
 def read_prompt_file(path: str, limit: int | None) -> list[dict]:
     """JSONL with {"turns": [...]} (first turn used), {"prompt": ...} or {"messages": [...]} per line."""
     out = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+    # JSONL lines end at "\n" only: str.splitlines() would also cut at U+2028 and the like inside a JSON string
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n")):
         if not line.strip():
             continue
-        obj = json.loads(line)
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {i + 1}: not JSON ({e})") from None
         if "messages" in obj:
             msgs = obj["messages"]
         elif "turns" in obj:
