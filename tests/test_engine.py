@@ -71,6 +71,19 @@ def test_batched_output_equals_hf_single_stream(tiny, references, arch, method, 
     assert all(not s.in_use for s in llm.cache.slots), "a finished request kept its cache slot"
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_trees_on_a_sliding_window_model_equal_hf_and_the_state_holds(tiny, references, method, block_size):
+    """Draft trees on a Mistral with a window of 6 (trees up to 4 deep), chunked prefill, 6 requests in 4 slots,
+    with KV blocks of 16 and of 4 positions (trees across block edges): greedy output equals HF's, state oracle on."""
+    spec = {"method": method, "num_speculative_tokens": 4, "draft_tree": True, "adaptive": False}
+    llm = LLM(tiny["mistral-window"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              speculative_config=spec, check_state=True, max_num_batched_tokens=8, block_size=block_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == references["mistral-window"]
+    assert sum(o.stats["num_accepted_tokens"] for o in outs) > 0  # the trees were verified and some accepted
+
+
 def test_requests_join_while_others_decode(tiny, references):
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3}, scheduler="dspark")
