@@ -224,7 +224,7 @@ def _path(tree, i: int) -> tuple[int, ...]:
 def test_tree_is_eagle2_selection_over_independently_scored_paths(setup):
     """The drafter's tree (one batched head run per depth, tree-masked scratch K/V) against EAGLE-2's selection
     simulated here, with every path's log-probability from the training unroll teacher-forced on that path."""
-    from verispec.drafters.eagle3 import TREE_TOPK
+    from verispec.drafters.tree_growth import TREE_TOPK
 
     llm = setup["llm"]
     head = load(setup["root"] / "head", llm.model)

@@ -84,6 +84,81 @@ def test_trees_on_a_sliding_window_model_equal_hf_and_the_state_holds(tiny, refe
     assert sum(o.stats["num_accepted_tokens"] for o in outs) > 0  # the trees were verified and some accepted
 
 
+def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_path):
+    """The draft model's tree (one tree-masked draft forward per depth) against EAGLE-2's selection simulated here,
+    every path's log-probability from HF's draft model run on context + path from scratch."""
+    from transformers import AutoModelForCausalLM
+
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.drafters.tree_growth import TREE_TOPK
+    from verispec.models.loader import load_model, resolve
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny["draft"][0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # spread the scores: no near-ties between candidate paths
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(resolve(str(tmp_path), progress=False), dtype="float32", device="cpu", progress=False)
+    ctx, budget, depth = PROMPTS[0][:9], 7, 4
+
+    def logp(path: tuple[int, ...]) -> torch.Tensor:  # [V]
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ctx + list(path)])).logits[0, -1].float(), -1)
+
+    scores: dict[tuple[int, ...], float] = {}
+    frontier = [()]
+    for _ in range(depth):
+        new = []
+        for par in frontier:
+            vals, idx = logp(par).topk(TREE_TOPK)
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                scores[par + (t,)] = scores.get(par, 0.0) + v
+                new.append(par + (t,))
+        frontier = sorted(new, key=lambda q: -scores[q])[: min(budget, TREE_TOPK)]
+    want = sorted(scores, key=lambda q: (-scores[q], len(q)))[:budget]
+
+    d = DraftModelDrafter(model, model.new_cache(32), SamplingParams(temperature=0))
+    d.propose(ctx[:5], 2)  # a chain first, all rejected: the tree starts from a cache holding ctx[:5]
+    d.observe(0)
+    grown = d._grow(ctx, budget, depth)  # every candidate, with the score the drafter gave it
+    got = {}
+    for i in range(len(grown.token)):
+        got[tuple(grown.token[j] for j in reversed(grown.path(i)))] = grown.score[i]
+    assert set(got) == set(scores)
+    for q, score in got.items():
+        assert abs(score - scores[q]) < 1e-4, q
+    d.check_own_state(ctx)
+    tree = d.propose_tree(ctx, budget, depth)
+
+    def path_of(i: int) -> tuple[int, ...]:
+        out = []
+        while i >= 0:
+            out.append(tree.tokens[i])
+            i = tree.parents[i]
+        return tuple(reversed(out))
+
+    assert {path_of(i) for i in range(len(tree))} == set(want) and len(tree) == budget
+    assert max(map(len, want)) > 1 and len({q[0] for q in want}) > 1  # a real tree: deep and branching
+    d.check_own_state(ctx)  # nothing drafted stayed in the draft cache
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_model_trees_in_the_engine(tiny, references, temperature):
+    """Draft-model trees through the engine, state oracle on: greedy equals HF; sampled runs reproducibly."""
+    spec = {"method": "draft_model", "model": tiny["draft"][0], "num_speculative_tokens": 5, "draft_tree": True,
+            "adaptive": False}
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              speculative_config=spec, check_state=True, max_num_batched_tokens=8, scheduler="static")
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate(MAX_TOKENS)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert sum(o.stats["num_draft_tokens"] for o in outs) > 0
+    if temperature == 0:
+        assert [o.token_ids for o in outs] == references["llama"]
+    else:
+        again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in again]
+
+
 def test_requests_join_while_others_decode(tiny, references):
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3}, scheduler="dspark")

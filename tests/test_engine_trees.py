@@ -92,6 +92,6 @@ def test_tree_sampling_runs_with_logprobs(tiny_dir, hf, monkeypatch):
 
 def test_trees_are_refused_where_they_do_not_exist_yet():
     with pytest.raises(ValueError, match="draft_tree"):
-        SpeculativeConfig(method="draft_model", model="x", draft_tree=True)
+        SpeculativeConfig(method="mtp", model="x", draft_tree=True)
     with pytest.raises(ValueError, match="draft_tree"):
         SpeculativeConfig(method="ngram", draft_tree=True, acceptance_rule="threshold", threshold_single=0.5)

@@ -135,7 +135,7 @@ NATIVE_METHODS = ("mtp",)  # drafting layers the target's own checkpoint ships (
 # "gguf-q8act" (its blocks and head on verispec's CPU kernel, int8 activations per 32 values); None = dense weights
 QUANTIZATIONS = ("gguf", "gguf-q8act")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
-TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark")  # the drafters with a propose_tree
+TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""An independent smaller causal LM as drafter, with its own KV cache rolled back in step with the target."""
+"""An independent smaller causal LM as drafter, with its own KV cache rolled back in step with the target.
+
+propose(context, k): a chain, one draft forward per token; the drafted K/V that the target accepts are kept.
+propose_tree(context, budget, depth): EAGLE-2's dynamic tree (drafters/tree_growth.py) from the draft model's top-k
+per node, one draft forward per depth over the root and every node expanded so far (a tree segment: each row sees
+the context, its ancestors and itself); nothing drafted is kept, the next proposal feeds the committed tokens."""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import torch
 
 from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft
+from verispec.drafters.tree_growth import TREE_TOPK, Growth
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel, Segment
+from verispec.models.tree import TreeDraft
 from verispec.state.kv_cache import KVCache
 
 
@@ -76,6 +83,44 @@ class DraftModelDrafter:
                 logits = self._step([t])
         self._fed_drafts = k - 1
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
+        """The `budget` most probable nodes (cumulative draft log-probability) of EAGLE-2's growth: the TREE_TOPK
+        children of the `width` most probable newest nodes, depth by depth. Deterministic (top-k) nodes, so the
+        target verifies them as point masses at any temperature. The draft cache keeps context[:-1] only."""
+        return self._grow(context, budget, depth).best(budget)
+
+    def _grow(self, context: Sequence[int], budget: int, depth: int) -> Growth:
+        assert self.n_cached < len(context), "the draft cache is ahead of the request"
+        depth = min(depth, budget, self.cache.max_len - len(context) - 1)
+        tree = Growth(0, min(budget, TREE_TOPK))
+        if depth <= 0:
+            return tree
+        feed = list(context[self.n_cached :])  # the committed tokens the draft cache lacks, the root last
+        out = self.model(torch.tensor(feed, device=self.model.device), [Segment(self.slot, self.n_cached, len(feed))],
+                         self.cache)
+        self.cache.commit(self.slot, len(feed) - 1)  # the root's K/V is rewritten by every tree forward
+        self.n_cached = len(context) - 1
+        self._ctx_len, self._fed_drafts = self.n_cached, 0  # observe() keeps exactly the committed context[:-1]
+        tree.add_children(-1, torch.log_softmax(out.logits[0].float(), -1), 0.0)
+        for _ in range(depth - 1):
+            frontier = tree.frontier()
+            if not frontier:
+                break
+            run = sorted({a for i in frontier for a in tree.path(i)}, key=lambda i: (tree.depth[i], i))  # [n]
+            if self.n_cached + 1 + len(run) > self.cache.max_len:
+                break
+            node = {n: j for j, n in enumerate(run)}  # each run node's index below the root (its row is j + 1)
+            parents = tuple(-1 if tree.parent[i] < 0 else node[tree.parent[i]] for i in run)
+            toks = torch.tensor([int(context[-1])] + [tree.token[i] for i in run], device=self.model.device)
+            out = self.model(toks, [Segment(self.slot, self.n_cached, len(run) + 1, tree=parents)], self.cache,
+                             logits_indices=[node[i] + 1 for i in frontier])
+            self.cache.rollback(self.slot, self.n_cached)
+            logp = torch.log_softmax(out.logits.float(), -1)  # [len(frontier), V]
+            for i, lp in zip(frontier, logp):
+                tree.add_children(i, lp, tree.score[i])
+        return tree
 
     def observe(self, accepted: int) -> None:
         """Keep the cached drafts the target accepted; the rest of the draft KV becomes invisible."""

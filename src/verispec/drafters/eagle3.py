@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.drafters.base import Draft
+from verispec.drafters.tree_growth import TREE_TOPK, Growth
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
@@ -176,57 +177,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     return torch.matmul(torch.softmax(s, -1), vv.float()).to(q.dtype).transpose(0, 1).reshape(n, H * hd)
 
 
-TREE_TOPK = 4  # children considered per expanded node, and nodes expanded per depth (EAGLE-2's top-k)
-
-
-class _Growth:
-    """A draft tree while it grows: every candidate node (token, parent, depth, cumulative log-probability), which
-    have been run (their scratch K/V row and output), and the expansion order."""
-
-    def __init__(self, first_row: int, width: int) -> None:
-        self.token: list[int] = []
-        self.parent: list[int] = []
-        self.depth: list[int] = []
-        self.score: list[float] = []
-        self.row: dict[int, int] = {}  # run node -> its scratch K/V row
-        self.out: dict[int, torch.Tensor] = {}  # run node -> its output [1, d]
-        self.next_row, self.width = first_row, width
-        self._newest: list[int] = []
-
-    def add_children(self, parent: int, logp: torch.Tensor, base: float, head: Eagle3Head) -> None:
-        """The TREE_TOPK most probable draft tokens after `parent` (-1: the root), logp [Vd] over the draft vocab."""
-        vals, idx = logp.topk(min(TREE_TOPK, logp.shape[0]))
-        toks = head.to_target_ids(idx).tolist()
-        d = 1 if parent < 0 else self.depth[parent] + 1
-        for val, tok in zip(vals.tolist(), toks):
-            self.token.append(int(tok))
-            self.parent.append(parent)
-            self.depth.append(d)
-            self.score.append(base + val)
-            self._newest.append(len(self.token) - 1)
-
-    def frontier(self) -> list[int]:
-        """The `width` most probable of the newest children: the nodes expanded next."""
-        new, self._newest = self._newest, []
-        return sorted(new, key=lambda i: (-self.score[i], i))[: self.width]
-
-    def path(self, i: int) -> list[int]:
-        """Node i and its ancestors."""
-        out = []
-        while i >= 0:
-            out.append(i)
-            i = self.parent[i]
-        return out
-
-    def best(self, budget: int) -> TreeDraft:
-        """The `budget` most probable nodes (ties: shallower, then earlier), parents listed first."""
-        keep = sorted(range(len(self.token)), key=lambda i: (-self.score[i], self.depth[i], i))[:budget]
-        keep.sort(key=lambda i: (self.depth[i], i))
-        index = {n: j for j, n in enumerate(keep)}
-        return TreeDraft(tuple(self.token[i] for i in keep),
-                         tuple(-1 if self.parent[i] < 0 else index[self.parent[i]] for i in keep))
-
-
 class Eagle3Drafter:
     """Per request. State: the fused target features of every committed position, and the head's K/V for the
     positions whose pair token is known (all committed positions but the newest, which waits for its next token).
@@ -333,17 +283,17 @@ class Eagle3Drafter:
         attends to the committed K/V, its ancestors and itself, at position n_feat - 1 + its depth."""
         return self._grow(context, budget, depth).best(budget)
 
-    def _grow(self, context: Sequence[int], budget: int, depth: int) -> "_Growth":
+    def _grow(self, context: Sequence[int], budget: int, depth: int) -> Growth:
         assert self.n_feat == len(context) - 1, (
             f"EAGLE-3 holds features for {self.n_feat} positions but the context has {len(context)} tokens")
         width = min(budget, TREE_TOPK)
         room = self.k.shape[0] - len(context)  # scratch K/V rows past the committed ones (one node per row)
         depth = min(depth, budget, room, 1 + room // max(1, width))
         if depth <= 0 or self.n_feat == 0:
-            return _Growth(self.n_kv, width)
+            return Growth(self.n_kv, width)
         h = self._catch_up(context)  # [1, d]
-        tree = _Growth(self.n_kv, width)  # scratch rows start after the rows _catch_up committed
-        tree.add_children(-1, torch.log_softmax(self.head.logits(h)[0].float(), -1), 0.0, self.head)
+        tree = Growth(self.n_kv, width)  # scratch rows start after the rows _catch_up committed
+        tree.add_children(-1, torch.log_softmax(self.head.logits(h)[0].float(), -1), 0.0, self.head.to_target_ids)
         for _ in range(depth - 1):
             frontier = tree.frontier()
             h_parent = torch.cat([h if tree.parent[i] < 0 else tree.out[tree.parent[i]] for i in frontier])
@@ -351,10 +301,10 @@ class Eagle3Drafter:
             for i, hi in zip(frontier, out):
                 tree.out[i] = hi[None]
                 tree.add_children(i, torch.log_softmax(self.head.logits(hi[None])[0].float(), -1), tree.score[i],
-                                  self.head)
+                                  self.head.to_target_ids)
         return tree
 
-    def _run_nodes(self, tree: "_Growth", nodes: list[int], h_parent: torch.Tensor) -> torch.Tensor:
+    def _run_nodes(self, tree: Growth, nodes: list[int], h_parent: torch.Tensor) -> torch.Tensor:
         """Run tree nodes (all of one depth) as one batch: K/V to the scratch rows after the committed ones, in
         run order; queries see the committed rows, their ancestors' rows and their own."""
         dev = h_parent.device
