@@ -9,6 +9,7 @@ import pytest
 from tests.helpers import hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.config import SpeculativeConfig
+from verispec.drafters.base import Draft
 from verispec.drafters.ngram import NgramDrafter
 from verispec.models.tree import TreeDraft
 
@@ -95,3 +96,59 @@ def test_trees_are_refused_where_they_do_not_exist_yet():
         SpeculativeConfig(method="mtp", model="x", draft_tree=True)
     with pytest.raises(ValueError, match="draft_tree"):
         SpeculativeConfig(method="ngram", draft_tree=True, acceptance_rule="threshold", threshold_single=0.5)
+    with pytest.raises(ValueError, match="draft_tree takes"):
+        SpeculativeConfig(method="ngram", draft_tree="sometimes")
+
+
+@pytest.mark.parametrize("good", ["tree", "chain"])
+def test_auto_shape_drafts_the_shape_that_commits_more(tiny_dir, hf, monkeypatch, good):
+    """"draft_tree": "auto": one shape drafts the known future (all accepted), the other only wrong tokens (none
+    accepted). The engine must settle on the good shape, retry the other every 8th step, and stay exact."""
+    futures = {tuple(p): hf_greedy(hf, p, 40) for p in PROMPTS}
+    calls = {"tree": 0, "chain": 0}
+
+    def future_of(context):
+        prompt = next(p for p in futures if tuple(context[: len(p)]) == p)
+        return futures[prompt][len(context) - len(prompt):]
+
+    def propose_tree(self, context, budget, depth):
+        calls["tree"] += 1
+        f = future_of(context)[: min(budget, depth)]
+        toks = f if good == "tree" else [(t + 1) % 97 for t in f]
+        return TreeDraft(tuple(toks), tuple(range(-1, len(toks) - 1)))
+
+    def propose(self, context, k):
+        calls["chain"] += 1
+        f = future_of(context)[:k]
+        return Draft(f if good == "chain" else [(t + 1) % 97 for t in f])
+
+    monkeypatch.setattr(NgramDrafter, "propose_tree", propose_tree)
+    monkeypatch.setattr(NgramDrafter, "propose", propose)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_tree": "auto", "adaptive": False}
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=4,
+              check_state=True, scheduler="static")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=36, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert list(o.token_ids) == futures[tuple(p)][:36]
+    bad = "chain" if good == "tree" else "tree"
+    assert calls[good] >= 3 * calls[bad] > 0, calls
+
+
+def test_prefer_tree_is_committed_tokens_per_second():
+    """Closed form: (1 + sum of the i.i.d. survivals a^j, j = 1..k) / (step + k x drafting cost per token)."""
+    from verispec.engine.costs import AcceptanceEstimator, prefer_tree
+
+    def est(a, cost):
+        e = AcceptanceEstimator(prior=a)
+        e.draft_cost_per_token = cost
+        return e
+
+    def rate(a, cost, k=4, step=0.010):
+        return (1 + sum(a ** j for j in range(1, k + 1))) / (step + k * cost)
+
+    chain, cheap_tree, dear_tree = est(0.5, 0.001), est(0.7, 0.001), est(0.7, 0.004)
+    assert rate(0.7, 0.001) > rate(0.5, 0.001) and prefer_tree(chain, cheap_tree, 4, 0.010)
+    assert rate(0.7, 0.004) < rate(0.5, 0.001) and not prefer_tree(chain, dear_tree, 4, 0.010)
+    assert rate(0.7, 0.004, step=0.100) > rate(0.5, 0.001, step=0.100) and prefer_tree(chain, dear_tree, 4, 0.100)
+    assert not prefer_tree(chain, est(0.5, 0.001), 4, 0.010)  # a tie keeps the chain

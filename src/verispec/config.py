@@ -155,8 +155,9 @@ class SpeculativeConfig:
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
     # verify a token tree of up to num_speculative_tokens nodes per step instead of a chain (SGLang's
-    # speculative_num_draft_tokens); the TREE_METHODS drafters propose trees so far, with the exact rule
-    draft_tree: bool = False
+    # speculative_num_draft_tokens); the TREE_METHODS drafters propose trees so far, with the exact rule.
+    # "auto": per request and step, the shape expected to commit more tokens per second (engine/scheduler.py)
+    draft_tree: bool | str = False
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -174,6 +175,8 @@ class SpeculativeConfig:
                              f"itself when the target is the model it was trained for)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.draft_tree not in (False, True, "auto"):
+            raise ValueError(f"draft_tree takes true, false or \"auto\", got {self.draft_tree!r}")
         if self.draft_tree and (self.method not in TREE_METHODS or self.acceptance_rule != "exact"):
             raise ValueError(f"draft_tree: only the {', '.join(TREE_METHODS)} drafters propose trees so far, "
                              "verified with the exact rule")

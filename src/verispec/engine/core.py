@@ -55,7 +55,7 @@ class EngineConfig:
     max_num_seqs: int = 8  # requests decoding at once (= cache slots)
     max_num_batched_tokens: int = 512  # tokens in one forward: decode blocks + prefill chunks
     num_speculative_tokens: int = 4  # K, the most draft tokens per request and step
-    draft_tree: bool = False  # drafters that can propose trees of K nodes (depth <= K) do
+    draft_tree: bool | str = False  # drafters that can propose trees of K nodes (depth <= K) do; "auto": per step
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
@@ -213,7 +213,11 @@ class Engine:
         spec = plan.speculating
         if not spec:
             return
-        cands = [Candidate(self._limit(lv), lv.estimator, lv.probe, lv.confidences) for lv in spec]
+        if self.config.draft_tree == "auto":
+            for lv in spec:
+                k = self._limit(lv)
+                lv.choose_shape(k, self.policy.step_seconds(plan.base_tokens + k, plan.base_tokens))
+        cands = [Candidate(self._limit(lv), lv.shape_estimator, lv.probe, lv.confidences) for lv in spec]
         proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
         keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
         budget = plan.draft_budget
@@ -228,7 +232,7 @@ class Engine:
             return EMPTY
         t = time.perf_counter()
         try:
-            if self.config.draft_tree and hasattr(lv.drafter, "propose_tree"):
+            if lv.tree_now and hasattr(lv.drafter, "propose_tree"):
                 tree = lv.drafter.propose_tree(lv.req.all_ids, k, k)  # type: ignore[union-attr]
                 d = Draft(list(tree.tokens), parents=tree.parents)
             else:
@@ -346,7 +350,7 @@ class Engine:
         g = len(lv.draft.tokens)
         if lv.drafter is not None:
             if g:
-                lv.estimator.update(g, verdict.accepted, lv.draft_s)
+                lv.shape_estimator.update(g, verdict.accepted, lv.draft_s)
                 lv.probe = False
             else:
                 lv.probe = lv.estimator.plain_step()
@@ -418,7 +422,7 @@ class Engine:
             live.clear_draft()
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
-            live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb)
+            live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb, tree_now=self.config.draft_tree is True)
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore

@@ -185,3 +185,17 @@ class AcceptanceEstimator:
             self.pos_rates[j] = self.decay * self.pos_rates[j] + (1 - self.decay) * (j < accepted)
         per_tok = draft_s / drafted
         self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per_tok if self.draft_cost_per_token else per_tok
+
+
+def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, step_s: float) -> bool:
+    """The draft shape of one request at k verified positions ("draft_tree": "auto"): True for a tree.
+
+    Both shapes put k draft rows into the same forward, so verification costs the same (`step_s`, the step's
+    time). They differ in the tokens a step is expected to commit, 1 + sum over depths j <= k of P(depth j is
+    reached) (each shape's own online estimate, `position_survival`), and in drafting time, k x each shape's
+    measured seconds per drafted token. The shape with more committed tokens per second wins; a tie keeps the chain.
+    """
+    def rate(e: AcceptanceEstimator) -> float:
+        return (1 + sum(e.position_survival(k))) / (step_s + k * e.draft_cost_per_token)
+
+    return rate(tree) > rate(chain)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
-from verispec.engine.costs import AcceptanceEstimator
+from verispec.engine.costs import AcceptanceEstimator, prefer_tree
+
+SHAPE_RETRY_EVERY = 8  # with "draft_tree": "auto", every 8th speculating step drafts the shape not preferred
 from verispec.state.request import Request
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ class LiveRequest:
     draft_s: float = 0.0  # seconds its drafter spent proposing
     proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
     stops: "StopMatcher | None" = None  # the request's stop strings, checked on its text after every commit
+    # draft shape: a tree this step (always with "draft_tree": true); with "auto", trees keep their own estimate
+    tree_now: bool = False
+    tree_estimator: AcceptanceEstimator | None = None
+    shape_steps: int = 0  # steps in a row in the preferred shape (the other is retried every SHAPE_RETRY_EVERY)
 
     @property
     def prefilled(self) -> bool:
@@ -51,6 +57,22 @@ class LiveRequest:
     def speculates(self) -> bool:
         """Decoding, has a drafter, and is past its first token (the first step finishes the prefill)."""
         return self.drafter is not None and self.prefilled and bool(self.req.output_ids)
+
+    @property
+    def shape_estimator(self) -> AcceptanceEstimator:
+        """The acceptance estimate of this step's draft shape (chains and the switch "draft_tree": true share one)."""
+        return self.tree_estimator if self.tree_now and self.tree_estimator is not None else self.estimator
+
+    def choose_shape(self, k: int, step_s: float) -> None:
+        """"draft_tree": "auto": this step's shape by `prefer_tree`, except that every SHAPE_RETRY_EVERY-th step
+        takes the other one, so that its estimate follows the request (a shape never tried would keep its prior)."""
+        if self.tree_estimator is None:
+            self.tree_estimator = AcceptanceEstimator()
+        best = prefer_tree(self.estimator, self.tree_estimator, k, step_s)
+        self.shape_steps += 1
+        if self.shape_steps >= SHAPE_RETRY_EVERY:
+            best, self.shape_steps = not best, 0
+        self.tree_now = best
 
     def clear_draft(self) -> None:
         self.draft, self.draft_s, self.proposed = EMPTY, 0.0, False

@@ -57,6 +57,10 @@ class Policy(Protocol):
         """The step's forward as measured: `tokens` tokens over `segments` sequences took `seconds`."""
         ...
 
+    def step_seconds(self, tokens: int, segments: int) -> float:
+        """The cost model's time of a forward over `tokens` rows of `segments` sequences."""
+        ...
+
 
 def admit_prefixes(
     survivals: Sequence[Sequence[float]],
@@ -128,6 +132,9 @@ class _CostAware:
         observe = getattr(self.costs, "observe", None)  # MeasuredStepCosts corrects its profile; a plain table not
         if observe is not None:
             observe(tokens, segments, seconds)
+
+    def step_seconds(self, tokens: int, segments: int) -> float:
+        return self.costs(tokens, segments)
 
 
 class StaticPolicy(_CostAware):
