@@ -54,6 +54,21 @@ def test_training_lowers_heldout_loss_and_raises_accuracy(setup):
     assert after["top1_per_step"][0] > before["top1_per_step"][0] + 0.05
 
 
+def test_init_continues_from_a_trained_head(setup, tmp_path):
+    """--init: the run starts where the given head ended (its held-out metrics before the first update are the
+    trained head's after its last), keeps its draft vocabulary, and refuses a head of another shape."""
+    root, llm = setup["root"], setup["llm"]
+    info = te.train(str(root / "data"), llm.model, str(tmp_path / "more"), draft_vocab=40, steps=3, max_updates=2,
+                    lr=1e-4, batch=2, progress=False, init=str(root / "head"), eval_every=1)
+    want = setup["info"]["heldout_after"]
+    assert abs(info["heldout_before"]["loss"] - want["loss"]) < 1e-4
+    assert info["heldout_before"]["top1_per_step"] == want["top1_per_step"]
+    assert torch.equal(load(tmp_path / "more", llm.model).d2t, load(root / "head", llm.model).d2t)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        te.train(str(root / "data"), llm.model, str(tmp_path / "other"), draft_vocab=30, steps=3, max_updates=1,
+                 progress=False, init=str(root / "head"))
+
+
 def test_build_vocab_keeps_the_most_frequent_response_tokens():
     from verispec.train.shards import TrainSequence
 

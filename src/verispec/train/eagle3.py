@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
+from verispec.drafters.eagle3 import load as load_head
 from verispec.drafters.features import eagle3_layers
+from verispec.drafters.shipped import resolve as resolve_drafter
 from verispec.models.llama import LlamaModel
 from verispec.train.distributed import Dist
 from verispec.train.loop import LoopConfig, train_loop
@@ -199,10 +201,21 @@ class Eagle3Task:
 
 
 def make_head(target: LlamaModel, train: list[TrainSequence], dist: Dist, draft_vocab: int, steps: int,
-              intermediate_size: int | None) -> Eagle3Head:
+              intermediate_size: int | None, init: str | None = None) -> Eagle3Head:
     """A fresh head (the same on every rank: the seed, and the vocabulary from response counts over all ranks),
-    its output layer and final norm started from the target's."""
+    its output layer and final norm started from the target's; or, with `init`, a trained head to go on training
+    on other data (its draft vocabulary kept, the rest of its shape must agree)."""
     layers = eagle3_layers(target.cfg.num_layers)
+    if init is not None:
+        head = load_head(init, target).float().train().requires_grad_(True)
+        want = {"feature_layers": tuple(layers), "draft_vocab_size": draft_vocab,
+                "intermediate_size": intermediate_size or target.cfg.intermediate_size}
+        bad = {k: getattr(head.cfg, k) for k, v in want.items() if getattr(head.cfg, k) != v}
+        if bad:
+            raise ValueError(f"--init {init}: the head has {bad}, this run asks for "
+                             f"{ {k: want[k] for k in bad} }")
+        head.cfg = Eagle3Config(**{**head.cfg.__dict__, "ttt_steps": steps})
+        return head
     cfg = Eagle3Config.for_target(target, layers, draft_vocab, intermediate_size)
     cfg = Eagle3Config(**{**cfg.__dict__, "ttt_steps": steps})
     head = Eagle3Head(cfg, target).float()
@@ -221,7 +234,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
           max_minutes: float | None = 60.0, max_updates: int | None = None, lr: float = 1e-3, batch: int = 4,
           max_len: int = 768, holdout: float = 0.05, seed: int = 0, intermediate_size: int | None = None,
           eval_every: int = 50, save_every: int = 100, resume: bool = True, dist: Dist | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, init: str | None = None) -> dict:
     """Train a head on this rank's share of `data_dir` (`batch` sequences per rank and step), checkpointing into
     out_dir (resumed from the newest checkpoint there); rank 0 writes the head and its log."""
     dist = dist or Dist.single("cpu")
@@ -231,14 +244,14 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
     # a sequence needs response positions inside the first max_len tokens (long prompts are truncated away)
     data = rank_data(data_dir, dist, layers, holdout, seed,
                      usable=lambda r: min(r.length, max_len) - r.prompt_len >= 2)
-    head = make_head(target, data.train, dist, draft_vocab, steps, intermediate_size).to(dist.device)
+    head = make_head(target, data.train, dist, draft_vocab, steps, intermediate_size, init).to(dist.device)
     out_w = target.output_weight().detach().float().to(dist.device)
     task = Eagle3Task(head, data.train, data.held, out_w, steps, max_len, progress and dist.is_writer)
     loop = LoopConfig(steps=max_updates, max_minutes=None if max_updates else max_minutes, lr=lr, warmup=20,
                       final_lr=0.05, weight_decay=0.0, grad_clip=0.5, accum=batch, eval_every=eval_every,
                       save_every=save_every, seed=seed)
     fingerprint = {"data": str(Path(data_dir).resolve()), "sequences": meta.get("num_sequences"),
-                   "head": repr(head.cfg), "max_len": max_len}
+                   "head": repr(head.cfg), "max_len": max_len, "init": init}
     log = train_loop(task, loop, dist, out_dir, fingerprint, resume=resume, progress=progress)
     info = {"method": "eagle3", "data": str(data_dir), "data_meta": {k: meta.get(k) for k in ("model", "prompt_files",
             "num_sequences", "tokens")}, "updates": log["steps"], "sequences_per_update": batch * dist.world,
@@ -247,7 +260,8 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
             "draft_vocab": head.cfg.draft_vocab_size, "train_tokens": log["train_tokens"],
             "train_tokens_per_s": log["train_tokens_per_s"], "heldout_before": log["heldout"][0],
             "heldout_after": log["heldout"][-1], "heldout_curve": log["heldout"],
-            "curve": log["loss"][:: max(1, len(log["loss"]) // 200)], "resumed_at": log.get("resumed_at", [])}
+            "curve": log["loss"][:: max(1, len(log["loss"]) // 200)], "resumed_at": log.get("resumed_at", []),
+            "init": init}
     if dist.is_writer:
         head.save_pretrained(out_dir, {"target": meta.get("model")})
         (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
@@ -268,6 +282,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=768, help="truncate sequences to this many tokens")
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="start from this trained head (a directory or shipped name) instead "
+                   "of a fresh one: more training on new data; its draft vocabulary is kept")
     loop_args(p)
 
 
@@ -281,6 +297,7 @@ def run(args: argparse.Namespace) -> dict:
         return train(args.data, target, args.out, draft_vocab=args.draft_vocab, steps=args.ttt_steps,
                      max_minutes=args.max_minutes, max_updates=args.updates, lr=args.lr, batch=args.batch,
                      max_len=args.max_len, seed=args.seed, intermediate_size=args.intermediate_size,
-                     eval_every=args.eval_every, save_every=args.save_every, resume=not args.no_resume, dist=dist)
+                     eval_every=args.eval_every, save_every=args.save_every, resume=not args.no_resume, dist=dist,
+                     init=None if args.init is None else str(resolve_drafter(args.init)))
     finally:
         dist.close()
