@@ -180,3 +180,25 @@ def batched_counts(llm, n: int, batch: int = 16) -> tuple[torch.Tensor, list]:
     for out in outs:
         counts[continuation_index(out.token_ids)] += 1
     return counts, outs
+
+
+def eagle2_scores(logp, depth: int, topk: int, width: int | None, to_ids=None) -> dict[tuple[int, ...], float]:
+    """EAGLE-2's candidate paths simulated from a path -> log-probabilities function: the `topk` children of each
+    expanded path, expanding the `width` best newest paths per depth (None: all of them); returns path -> cumulative
+    log-probability. `to_ids` maps logp's indices to token ids (a reduced draft vocabulary)."""
+    scores: dict[tuple[int, ...], float] = {}
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(depth):
+        new = []
+        for par in frontier:
+            vals, idx = logp(par).topk(topk)
+            for v, t in zip(vals.tolist(), (idx if to_ids is None else to_ids(idx)).tolist()):
+                scores[par + (t,)] = scores.get(par, 0.0) + v
+                new.append(par + (t,))
+        frontier = new if width is None else sorted(new, key=lambda p: -scores[p])[:width]
+    return scores
+
+
+def best_paths(scores: dict[tuple[int, ...], float], budget: int) -> set[tuple[int, ...]]:
+    """The `budget` most probable paths (ties: shorter first), EAGLE-2's final selection."""
+    return set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:budget])

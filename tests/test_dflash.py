@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import hf_greedy, self_distilled_data, sharp_llama
+from tests.helpers import best_paths, eagle2_scores, hf_greedy, self_distilled_data, sharp_llama
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment
@@ -422,17 +422,8 @@ def test_tree_is_the_most_probable_paths_scored_independently(trained, tiny, met
                                   lambda zz, k: torch.tensor([forced[k]]))
         return torch.log_softmax(z[0, len(path)], -1)
 
-    scores: dict[tuple[int, ...], float] = {}
-    frontier: list[tuple[int, ...]] = [()]
-    for _ in range(depth):
-        new = []
-        for par in frontier:
-            vals, idx = logp(par).topk(TREE_TOPK)
-            for v, t in zip(vals.tolist(), idx.tolist()):
-                scores[par + (t,)] = scores.get(par, 0.0) + v
-                new.append(par + (t,))
-        frontier = new
-    want = set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:budget])
+    scores = eagle2_scores(logp, depth, TREE_TOPK, None)
+    want = best_paths(scores, budget)
     tree = d.propose_tree(ctx, budget, depth)
     assert _tree_paths(tree) == want and len(tree.tokens) == budget
     assert max(map(len, want)) > 1 and len({p[0] for p in want}) > 1  # a real tree: deep and branching

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.helpers import hf_greedy
+from tests.helpers import best_paths, eagle2_scores, hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load
 from verispec.drafters.eagle3_export import export_from_checkpoint
@@ -255,18 +255,8 @@ def test_tree_is_eagle2_selection_over_independently_scored_paths(setup):
         with torch.no_grad():
             return torch.log_softmax(te.ttt_logits(head, f, ids, len(path) + 1)[len(path)][j], -1)
 
-    scores: dict[tuple[int, ...], float] = {}
-    frontier = [()]
-    for _ in range(depth):
-        new = []
-        for par in frontier:
-            lp = logp(par)
-            vals, idx = lp.topk(TREE_TOPK)
-            for v, t in zip(vals.tolist(), head.to_target_ids(idx).tolist()):
-                scores[par + (t,)] = scores.get(par, 0.0) + v
-                new.append(par + (t,))
-        frontier = sorted(new, key=lambda p: -scores[p])[: min(budget, TREE_TOPK)]
-    want = set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:budget])
+    scores = eagle2_scores(logp, depth, TREE_TOPK, min(budget, TREE_TOPK), head.to_target_ids)
+    want = best_paths(scores, budget)
 
     d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
     d.add_features(feats[: j + 1])

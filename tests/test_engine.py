@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import hf_greedy
+from tests.helpers import best_paths, eagle2_scores, hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.engine.core import RequestTooLong
 from verispec.state.request import Request
@@ -104,17 +104,8 @@ def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_pat
         with torch.no_grad():
             return torch.log_softmax(hf(torch.tensor([ctx + list(path)])).logits[0, -1].float(), -1)
 
-    scores: dict[tuple[int, ...], float] = {}
-    frontier = [()]
-    for _ in range(depth):
-        new = []
-        for par in frontier:
-            vals, idx = logp(par).topk(TREE_TOPK)
-            for v, t in zip(vals.tolist(), idx.tolist()):
-                scores[par + (t,)] = scores.get(par, 0.0) + v
-                new.append(par + (t,))
-        frontier = sorted(new, key=lambda q: -scores[q])[: min(budget, TREE_TOPK)]
-    want = sorted(scores, key=lambda q: (-scores[q], len(q)))[:budget]
+    scores = eagle2_scores(logp, depth, TREE_TOPK, min(budget, TREE_TOPK))
+    want = best_paths(scores, budget)
 
     d = DraftModelDrafter(model, model.new_cache(32), SamplingParams(temperature=0))
     d.propose(ctx[:5], 2)  # a chain first, all rejected: the tree starts from a cache holding ctx[:5]
@@ -136,7 +127,7 @@ def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_pat
             i = tree.parents[i]
         return tuple(reversed(out))
 
-    assert {path_of(i) for i in range(len(tree))} == set(want) and len(tree) == budget
+    assert {path_of(i) for i in range(len(tree))} == want and len(tree) == budget
     assert max(map(len, want)) > 1 and len({q[0] for q in want}) > 1  # a real tree: deep and branching
     d.check_own_state(ctx)  # nothing drafted stayed in the draft cache
 
