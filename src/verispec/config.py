@@ -156,7 +156,7 @@ class SpeculativeConfig:
     threshold_acc: float = 1.0
     # verify a token tree of up to num_speculative_tokens nodes per step instead of a chain (SGLang's
     # speculative_num_draft_tokens); the TREE_METHODS drafters propose trees so far, with the exact rule.
-    # "auto": per request and step, the shape expected to commit more tokens per second (engine/scheduler.py)
+    # "auto": per request and step, the shape expected to commit more tokens per second (engine/costs.py's prefer_tree)
     draft_tree: bool | str = False
 
     def __post_init__(self) -> None:

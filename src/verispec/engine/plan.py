@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
 from verispec.engine.costs import AcceptanceEstimator, prefer_tree
-
-SHAPE_RETRY_EVERY = 8  # with "draft_tree": "auto", every 8th speculating step drafts the shape not preferred
 from verispec.state.request import Request
 
 if TYPE_CHECKING:
@@ -24,6 +22,7 @@ if TYPE_CHECKING:
     from verispec.engine.stops import StopMatcher
 
 TokenCallback = Callable[[Request, list[int]], None]
+SHAPE_RETRY_EVERY = 8  # with "draft_tree": "auto", every 8th speculating step drafts the shape not preferred
 
 
 @dataclass
