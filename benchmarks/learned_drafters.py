@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--drafters", required=True, help="comma list of eagle3:DIR, dflash:DIR, dspark:DIR, ngram")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="the target's execution path (auto: the fastest measured)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=3, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -81,7 +81,7 @@ def main() -> None:
         if name == "dspark":
             new = e.drafters.new
             e.drafters.new = lambda params, n, _new=new: Recorder(_new(params, n), pairs)  # type: ignore[method-assign]
-        engines[name] = e
+        engines[name if name not in engines else item] = e  # two of one method (old and new weights): by path
         if args.scheduler != "static":
             _ = e.costs
     records = []
