@@ -106,6 +106,8 @@ def test_speculative_sampling_on_the_q8act_arithmetic_matches_its_exact_distribu
 
 
 def test_negative_control_a_lossy_rule_is_rejected_on_the_same_setup(dirs):
-    """Measured: p = 6e-5 for the threshold rule, 0.71 for the exact one."""
-    pval, _ = sample(dirs, acceptance_rule="threshold", threshold_single=0.05)
+    """A threshold rule that accepts every draft token the target gives >= 1%: measured p < 1e-300 (the exact
+    rule: p = 0.71). At >= 5% the distortion was too small for 10,000 samples to show reliably: p = 6e-5 with
+    torch.multinomial's random stream, 0.022 with the inverse-CDF sampler's."""
+    pval, _ = sample(dirs, acceptance_rule="threshold", threshold_single=0.01)
     assert pval < 1e-3
