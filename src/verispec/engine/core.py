@@ -213,11 +213,11 @@ class Engine:
         spec = plan.speculating
         if not spec:
             return
+        limits = [self._limit(lv) for lv in spec]
         if self.config.draft_tree == "auto":
-            for lv in spec:
-                k = self._limit(lv)
+            for lv, k in zip(spec, limits):
                 lv.choose_shape(k, self.policy.step_seconds(plan.base_tokens + k, plan.base_tokens))
-        cands = [Candidate(self._limit(lv), lv.shape_estimator, lv.probe, lv.confidences) for lv in spec]
+        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences) for lv, k in zip(spec, limits)]
         proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
         keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
         budget = plan.draft_budget
