@@ -33,11 +33,15 @@ def _gen(llm, out, prompts, **kw):
                          shard_size=4, layers=[1, 3, 5], progress=False, **kw)
 
 
-def test_captured_states_equal_hf_hidden_states(tiny, tmp_path):
+@pytest.mark.parametrize("capture", ["generation", "prefill"])
+def test_captured_states_equal_hf_hidden_states(tiny, tmp_path, capture):
+    """Recorded while generating (the last token, never fed, left out) or recomputed in a batched prefill."""
     hf, llm, prompts = tiny
-    _gen(llm, tmp_path, prompts)
+    meta = _gen(llm, tmp_path, prompts, capture=capture)
     seqs = load_all(tmp_path)
-    assert len(seqs) == 10 and all(len(s.ids) == s.prompt_len + 12 for s in seqs)
+    n = 12 - (capture == "generation")
+    assert meta["capture"] == capture and meta["response_tokens"] == 10 * n
+    assert len(seqs) == 10 and all(len(s.ids) == s.prompt_len + n for s in seqs)
     for s in seqs[:4]:
         with torch.no_grad():
             ref = hf(s.ids[None], output_hidden_states=True)
@@ -49,7 +53,7 @@ def test_captured_states_equal_hf_hidden_states(tiny, tmp_path):
     # greedy responses are the target's own greedy continuation
     greedy = seqs[0]
     out = hf.generate(greedy.ids[None, : greedy.prompt_len], max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert out[0].tolist() == greedy.ids.tolist()
+    assert out[0, : greedy.prompt_len + n].tolist() == greedy.ids.tolist()
 
 
 def test_interrupted_run_resumes_with_identical_shards(tiny, tmp_path):
@@ -76,6 +80,9 @@ def test_resuming_with_other_settings_is_refused(tiny, tmp_path):
         generate_data(llm, str(tmp_path), prompts[:2], sources=["test"], modes=("greedy",), max_tokens=12,
                       shard_size=4, layers=[1, 3, 5], progress=False)
     assert read_meta(tmp_path)["modes"] == ["greedy", "sampled"]
+    with pytest.raises(ValueError, match="capture"):  # the directory's shards were recorded while generating
+        _gen(llm, tmp_path, prompts[:2], capture="prefill")
+    assert _gen(llm, tmp_path, prompts[:2])["capture"] == "generation"  # auto resumes with the directory's own
 
 
 def test_project_corpus_does_not_reuse_benchmark_prompts():

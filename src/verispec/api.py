@@ -20,6 +20,7 @@ from verispec.engine.costs import MeasuredStepCosts, StepCosts
 from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.invariance import linears_row_invariant
+from verispec.execution.hidden_states import hidden_states
 from verispec.execution.logprobs import Logprob, vllm_logprobs
 from verispec.execution.profile import profile_costs, profile_step_costs
 from verispec.execution.sampling import SamplingParams
@@ -60,6 +61,9 @@ class RequestOutput:
     # with SamplingParams(logprobs=N): per output token {sampled id, then the top-N ids: Logprob(logprob, rank,
     # decoded_token)}, vLLM's layout; logprobs are the log_softmax of the raw logits (vLLM's raw_logprobs)
     logprobs: list[dict[int, Logprob]] | None = None
+    # with SamplingParams(return_hidden_states=layers): {layer: [len(prompt) + len(output) - 1, d]}, the model's
+    # dtype: the target's state entering each layer at every fed position, as the forwards computed it
+    hidden_states: dict[int, torch.Tensor] | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -403,4 +407,5 @@ class LLM:
             stop_reason=req.stop_reason,
             logprobs=None if req.params.logprobs is None else vllm_logprobs(
                 req.output_logprobs, self.decode if self.tokenizer is not None else None),
+            hidden_states=hidden_states(req, self.model.cfg.hidden_size),
         )

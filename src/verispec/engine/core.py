@@ -30,6 +30,7 @@ from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
+from verispec.execution.hidden_states import record_hidden_states, record_layers
 from verispec.execution.logprobs import record_logprobs
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
 from verispec.execution.tree_verify import verify_tree
@@ -126,6 +127,10 @@ class Engine:
         if req.params.stop and self.detokenize is None:
             raise ValueError("stop strings need the model's tokenizer to decode the output, and this engine has none "
                              "(a checkpoint without tokenizer files); use stop_token_ids instead")
+        bad = [i for i in req.params.return_hidden_states if i > self.model.cfg.num_layers]
+        if bad:
+            raise ValueError(f"return_hidden_states: layers {bad} are outside 0..{self.model.cfg.num_layers} (the "
+                             f"index {self.model.cfg.num_layers} is the last layer's output)")
         total = len(req.prompt_ids) + req.params.max_tokens
         if total > self.cache.max_len:
             raise RequestTooLong(
@@ -181,7 +186,8 @@ class Engine:
         self._draft(plan)
         t_forward = time.perf_counter()
         blocks = self._blocks(plan)
-        out = self.runner.run(blocks)
+        recorded = record_layers([lv.req for lv in plan.decode] + [c.live.req for c in plan.prefill])
+        out = self.runner.run(blocks, recorded)
         timing = StepTiming(sched_s=t_forward - t_start - sum(lv.draft_s for lv in plan.decode),
                             forward_s=time.perf_counter() - t_forward)
         if not plan.prefill:  # what the policies ask the costs about: decode rows and their drafts alone
@@ -290,6 +296,7 @@ class Engine:
             lv.req.num_computed += c.length
             if needs_features(lv.drafter):
                 lv.drafter.add_features(out.features(i))  # type: ignore[union-attr]
+            record_hidden_states(lv.req, out, i)
             if lv.prefilled:
                 lv.req.stats.prefill_s = done - lv.req.start_time
 
@@ -343,6 +350,7 @@ class Engine:
             lv.drafter.observe(verdict.accepted)  # type: ignore[union-attr]
         if needs_features(lv.drafter):
             lv.drafter.add_features(out.features(block, n, rows))  # type: ignore[union-attr]
+        record_hidden_states(lv.req, out, block, n, rows)
 
     def _account(self, lv: LiveRequest, verdict: Verdict, timing: StepTiming, *, verify_s: float,
                  state_s: float) -> None:
@@ -381,16 +389,21 @@ class Engine:
 
     def _prefix_hits(self, req: Request) -> list[int]:
         """Cached blocks of the request's prompt it need not prefill: none for drafters that read the target's
-        hidden state at every prompt position (EAGLE-3, DFlash, DSpark); never the last token's block."""
-        if not self.cache.prefix_caching or self.drafters.feature_layers:
+        hidden state at every prompt position (EAGLE-3, DFlash, DSpark) or a request that records them; never the
+        last token's block."""
+        if not self.cache.prefix_caching or self._every_position(req):
             return []
         return self.cache.match(req.prompt_ids, len(req.all_ids) - 1)
+
+    def _every_position(self, req: Request) -> bool:
+        """The request needs the target's hidden state at every position (a feature drafter, or it asked)."""
+        return bool(self.drafters.feature_layers or req.params.return_hidden_states)
 
     def _prefix_pending(self, req: Request, hit_blocks: int) -> bool:
         """A running request is still prefilling full prompt blocks this one shares past its cache hits: admitted
         now it would compute them again (requests sharing a system prompt that arrive together would all miss);
         it waits until they are committed, and so cached."""
-        if not self.cache.prefix_caching or self.drafters.feature_layers:
+        if not self.cache.prefix_caching or self._every_position(req):
             return False
         mine, B = req.prompt_ids[: len(req.all_ids) - 1], self.cache.block_size
         for lv in self.running:
@@ -405,7 +418,7 @@ class Engine:
         p = req.params
         req.spec.lossy = self.rule.lossy and not p.greedy
         drafter = None
-        queried = len(req.prompt_ids) if self.cache.prefix_caching and not self.drafters.feature_layers else 0
+        queried = len(req.prompt_ids) if self.cache.prefix_caching and not self._every_position(req) else 0
         try:
             req.slot = self.cache.allocate(req.prompt_ids, hits, queried)
             req.num_computed = self.cache.length(req.slot)
@@ -437,6 +450,7 @@ class Engine:
             lv.drafter = None
         self.cache.free(lv.req.slot)  # type: ignore[arg-type]
         lv.req.slot, lv.req.num_computed = None, 0
+        lv.req.hidden_rows.clear()  # the recomputation records them again
         self._preempted[lv.req.request_id] = lv
         self.waiting.appendleft((lv.req, lv.on_tokens))
         self.num_preemptions += 1

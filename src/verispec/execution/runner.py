@@ -43,14 +43,16 @@ class BatchOutput:
         assert rows is not None, "a prefill chunk has no logits"
         return self.out.logits[rows]
 
-    def features(self, block: int, n: int | None = None, rows: Sequence[int] | None = None) -> torch.Tensor:
-        """[n, len(feature_layers) d]: the captured states of the block's first n rows (all by default), or of
-        the given rows of the block (a tree's root and accepted path)."""
+    def features(self, block: int, n: int | None = None, rows: Sequence[int] | None = None,
+                 layers: Sequence[int] | None = None) -> torch.Tensor:
+        """[n, len(layers) d]: the captured states of `layers` (default: the drafters' `feature_layers`) at the
+        block's first n rows (all by default), or at the given rows of the block (a tree's root and accepted path)."""
         r = self.rows[block]
+        layers = self.feature_layers if layers is None else layers
         if rows is not None:
-            return select(self.out.hidden, self.feature_layers, torch.tensor([r.start + i for i in rows]))
+            return select(self.out.hidden, layers, torch.tensor([r.start + i for i in rows]))
         stop = r.stop if n is None else r.start + n
-        return select(self.out.hidden, self.feature_layers, slice(r.start, stop))
+        return select(self.out.hidden, layers, slice(r.start, stop))
 
 
 class ModelRunner:
@@ -59,7 +61,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, feature_layers: Sequence[int] = ()) -> None:
         self.model, self.cache, self.feature_layers = model, cache, tuple(feature_layers)
 
-    def run(self, blocks: Sequence[Block]) -> BatchOutput:
+    def run(self, blocks: Sequence[Block], record_layers: Sequence[int] = ()) -> BatchOutput:
+        """record_layers: layers captured as well this step (requests that asked for their hidden states)."""
         ids: list[int] = []
         segments: list[Segment] = []
         logits_rows: list[int] = []
@@ -74,5 +77,6 @@ class ModelRunner:
             segments.append(Segment(b.slot, b.start, n, tree=b.tree))
             ids.extend(b.tokens)
         out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
-                         logits_indices=logits_rows, capture_layers=self.feature_layers)
+                         logits_indices=logits_rows,
+                         capture_layers=tuple(sorted(set(self.feature_layers) | set(record_layers))))
         return BatchOutput(out, rows, logit_rows, self.feature_layers)

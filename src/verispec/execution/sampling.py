@@ -28,6 +28,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     logprobs: int | None = None  # vLLM's: return each output token's logprob and the top-N (0 = the token only)
+    # the target's hidden state entering each of these layers (index L: the last layer's output, before the final
+    # norm) at every position of prompt + output but the last, as the forwards computed it (SGLang's
+    # return_hidden_states, per layer): RequestOutput.hidden_states; the self-distillation data of the drafters
+    return_hidden_states: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -52,6 +56,12 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0 (top logprobs per token), got {self.logprobs!r}")
+        layers = self.return_hidden_states
+        if isinstance(layers, (bool, int, str)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                            for i in layers):
+            raise ValueError("return_hidden_states takes the target layer indices whose entering hidden state to "
+                             f"return (a list of integers >= 0), got {layers!r}")
+        object.__setattr__(self, "return_hidden_states", tuple(sorted(set(layers))))
 
     @property
     def greedy(self) -> bool:

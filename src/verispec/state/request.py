@@ -142,6 +142,9 @@ class Request:
     stop_text: str | None = None  # the output text cut at that stop string (decoding output_ids runs past it)
     # per output token when params.logprobs is set (execution/logprobs.py), aligned with output_ids
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with params.return_hidden_states: the recorded states of the committed positions in order, one
+    # [n, len(layers) d] tensor per commit (layers concatenated in ascending order); cleared on preemption
+    hidden_rows: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -1,6 +1,9 @@
-"""`verispec train data`: self-distillation data. The target answers a prompt corpus (greedy and sampled), then one
-from-scratch forward per sequence captures the hidden states the drafters read; shards are written as they finish,
-so an interrupted run resumes where it stopped (finished shards are kept, the rest are redone)."""
+"""`verispec train data`: self-distillation data. The target answers a prompt corpus (greedy and sampled) and the
+hidden states the drafters read are recorded as it generates (`capture="generation"`: the engine returns the
+states its forwards computed, `SamplingParams.return_hidden_states`; the last token, never fed, is left out), or
+recomputed afterwards in one batched prefill (`"prefill"`: responses from an endpoint, or data begun that way);
+shards are written as they finish, so an interrupted run resumes where it stopped (finished shards are kept, the
+rest are redone)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from verispec.drafters.features import dflash_layers, eagle3_layers
@@ -19,8 +23,9 @@ from verispec.train.shards import read_meta, shard_name, write_meta, write_shard
 
 # settings that must match for a resumed run to extend the same data set
 _FIXED = ("model", "layers", "sources", "modes", "max_tokens", "temperature", "shard_size", "seed", "jobs_total",
-          "responder", "quantization")
-_DEFAULTS = {"responder": "local", "quantization": None}  # data written before the key existed
+          "responder", "quantization", "capture")
+_DEFAULTS = {"responder": "local", "quantization": None, "capture": "prefill"}  # data written before the key existed
+CAPTURES = ("auto", "generation", "prefill")
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -97,20 +102,51 @@ def _fitting(llm, prompts: list[dict], max_tokens: int) -> list[dict]:
 
 
 def _respond(llm, endpoint, chunk: list[tuple[dict, str]], first: int, max_tokens: int, temperature: float,
-             seed: int) -> list[list[int]]:
-    """The responses (token ids) to a chunk of (prompt, mode) jobs numbered from `first`: from the endpoint, or
-    from the local engine all at once (batched)."""
+             seed: int, record: tuple[int, ...] = ()) -> tuple[list[list[int]], list | None]:
+    """(The responses (token ids) to a chunk of (prompt, mode) jobs numbered from `first`, their recorded
+    {layer: [n, d]} states or None): from the endpoint, or from the local engine all at once (batched), recording
+    the states of `record` as it generates."""
     from verispec.execution.sampling import SamplingParams
 
     if endpoint is not None:
         return endpoint.respond([(p["ids"], mode, job_seed(seed, first + j)) for j, (p, mode) in enumerate(chunk)],
-                                max_tokens, temperature)
+                                max_tokens, temperature), None
 
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if mode == "greedy" else
-              SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=job_seed(seed, first + j))
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, return_hidden_states=record) if mode == "greedy"
+              else SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=job_seed(seed, first + j),
+                                  return_hidden_states=record)
               for j, (_, mode) in enumerate(chunk)]
     outs = llm.generate([{"prompt_token_ids": p["ids"]} for p, _ in chunk], params, use_tqdm=False)
-    return [list(o.token_ids) for o in outs]
+    return [list(o.token_ids) for o in outs], [o.hidden_states for o in outs] if record else None
+
+
+def _recorded(model, full: list[list[int]], recorded: list, layers: list[int]
+              ) -> list[tuple[list[int], dict, torch.Tensor]]:
+    """(ids, {layer: [n, d]}, last_hidden [n, d]) per sequence from the states recorded while generating: the ids
+    without the last token (never fed, it has no state); last_hidden through the model's own final norm."""
+    from verispec.models.linear import rms_norm
+
+    L = model.cfg.num_layers
+    out = []
+    for ids, h in zip(full, recorded):
+        assert h[layers[0]].shape[0] == len(ids) - 1, "one recorded row per fed position"
+        out.append((ids[:-1], {k: h[k] for k in layers}, rms_norm(h[L], model.norm, model.cfg.rms_norm_eps)))
+    return out
+
+
+def _capture_mode(capture: str, endpoint, out: Path) -> str:
+    """"generation" or "prefill": auto takes the directory's own (a resumed run), else generation unless the
+    responses come from an endpoint (which returns no states)."""
+    if capture not in CAPTURES:
+        raise ValueError(f"capture must be one of {', '.join(CAPTURES)}, got {capture!r}")
+    if capture == "generation" and endpoint is not None:
+        raise ValueError("capture='generation' needs the local engine; responses from an endpoint are captured in "
+                         "a batched prefill (capture='prefill')")
+    if capture != "auto":
+        return capture
+    if (out / "meta.json").exists():
+        return read_meta(out).get("capture", _DEFAULTS["capture"])
+    return "prefill" if endpoint is not None else "generation"
 
 
 def job_seed(seed: int, job: int) -> int:
@@ -121,7 +157,7 @@ def job_seed(seed: int, job: int) -> int:
 def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str], modes: tuple[str, ...] = ("greedy",),
                   max_tokens: int = 256, temperature: float = 0.7, shard_size: int = 32, seed: int = 0,
                   layers: list[int] | None = None, endpoint=None, part: tuple[int, int] = (0, 1),
-                  progress: bool = True) -> dict:
+                  capture: str = "auto", progress: bool = True) -> dict:
     """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run.
 
     Responses come from `llm` itself or, with `endpoint` (train/endpoint.py), from an OpenAI-compatible server of
@@ -140,12 +176,14 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
     skipped = len(prompts) - len(fits)
     jobs = [(p, m) for p in fits for m in modes]
     out = Path(out_dir)
+    capture = _capture_mode(capture, endpoint, out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": llm.resolved.name, "num_layers": model.cfg.num_layers, "hidden_size": model.cfg.hidden_size,
             "dtype": str(model.dtype).removeprefix("torch."), "quantization": getattr(llm, "quantization", None),
             "layers": layers, "sources": sources,
             "modes": list(modes), "max_tokens": max_tokens, "temperature": temperature, "shard_size": shard_size,
             "seed": seed, "jobs_total": len(jobs), "responder": endpoint.describe() if endpoint else "local",
+            "capture": capture,
             "part": list(part), "shards": [], "num_sequences": 0, "tokens": 0, "response_tokens": 0,
             "generate_s": 0.0, "capture_s": 0.0, "prompts_too_long": skipped}
     meta = _resume(out, meta)
@@ -159,17 +197,21 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
     for i in todo:
         chunk = jobs[i * shard_size : (i + 1) * shard_size]
         t0 = time.perf_counter()
-        responses = _respond(llm, endpoint, chunk, i * shard_size, max_tokens, temperature, seed)
+        record = tuple(sorted({*layers, model.cfg.num_layers})) if capture == "generation" else ()
+        responses, recorded = _respond(llm, endpoint, chunk, i * shard_size, max_tokens, temperature, seed, record)
         t1 = time.perf_counter()
         full = [p["ids"] + r for (p, _), r in zip(chunk, responses)]
-        captured = capture_many(model, full, layers)
+        if recorded is not None:
+            states = _recorded(model, full, recorded, layers)
+        else:
+            states = [(ids, h, last) for ids, (h, last) in zip(full, capture_many(model, full, layers))]
         seqs = [(ids, len(p["ids"]), {k: h[k].float() for k in layers}, last.float())
-                for ids, (p, _), (h, last) in zip(full, chunk, captured)]
+                for (ids, h, last), (p, _) in zip(states, chunk)]
         write_shard(out / shard_name(i), seqs)
         meta["shards"] = sorted(set(meta["shards"]) | {i})
         meta["num_sequences"] += len(seqs)
-        meta["tokens"] += sum(map(len, full))
-        meta["response_tokens"] += sum(map(len, responses))
+        meta["tokens"] += sum(len(ids) for ids, *_ in seqs)
+        meta["response_tokens"] += sum(len(ids) - plen for ids, plen, *_ in seqs)
         meta["generate_s"] = round(meta["generate_s"] + t1 - t0, 1)
         meta["capture_s"] = round(meta["capture_s"] + time.perf_counter() - t1, 1)
         if endpoint is not None and endpoint.retokenized:
@@ -232,6 +274,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "same target (vLLM, SGLang, verispec serve); hidden states are still computed here")
     p.add_argument("--served-model", default=None, help="the model id on --endpoint (default: the only one)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight to --endpoint")
+    p.add_argument("--capture", default="auto", choices=CAPTURES, help="generation: record the hidden states "
+                   "as the target generates (no second pass; the last token of each response, never fed, is left "
+                   "out); prefill: recompute them in a batched prefill afterwards (always with --endpoint); auto: "
+                   "a resumed directory's own, else generation locally")
     p.add_argument("--part", default="0/1", help="I/N: write only shards s with s %% N == I (N machines, one part "
                    "each, into their own --out; join them with `verispec train merge-data`)")
 
@@ -272,4 +318,4 @@ def run(args: argparse.Namespace) -> dict:
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     return generate_data(llm, args.out, prompts, sources=sources, modes=modes, max_tokens=args.max_tokens,
                          temperature=args.temperature, shard_size=args.shard_size, seed=args.seed, layers=layers,
-                         endpoint=endpoint, part=part)
+                         endpoint=endpoint, part=part, capture=args.capture)
