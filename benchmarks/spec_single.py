@@ -28,18 +28,26 @@ METHODS = {
 }
 
 
+SHAPES = {"chain": False, "tree": True, "auto": "auto"}
+
+
 def run(args) -> dict:
     results: dict = {}
     for dtype in args.dtypes.split(","):
         base = LLM(args.model, dtype=dtype, device="cpu", max_model_len=2048, progress=False)
         engines = {"none": base}
         for name in args.methods.split(","):
-            if name in METHODS:
-                spec = dict(METHODS[name])
-            elif ":" in name or name in LEARNED_METHODS:  # eagle3[:DIR], dflash[:DIR], dspark[:DIR], draft_model:DIR
-                spec = method_spec(name, args.k)
+            method, _, shape = name.partition("+")  # NAME+tree / NAME+auto: draft trees, or trees vs chains per step
+            if method in METHODS:
+                spec = dict(METHODS[method])
+            elif ":" in method or method in LEARNED_METHODS:  # eagle3[:DIR], dflash / dspark[:DIR], draft_model:DIR
+                spec = method_spec(method, args.k)
             else:
-                spec = {"method": "draft_model", "model": name, "num_speculative_tokens": 4}
+                spec = {"method": "draft_model", "model": method, "num_speculative_tokens": 4}
+            if shape:
+                if shape not in SHAPES:
+                    raise SystemExit(f"{name}: the shape after + is one of {', '.join(SHAPES)}")
+                spec["draft_tree"] = SHAPES[shape]
             engines[name] = base.with_speculation(spec)
         for e in engines.values():
             if e.spec.method != "none":
@@ -102,7 +110,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--methods", default="ngram,suffix",
                     help="ngram, suffix, a draft model path, or eagle3 / dflash / dspark (the shipped drafter) or "
-                         "eagle3:DIR / dflash:DIR / dspark:DIR")
+                         "eagle3:DIR / dflash:DIR / dspark:DIR; +tree or +auto after a name: draft trees, or trees "
+                         "vs chains chosen per step (draft_tree auto)")
     ap.add_argument("--k", type=int, default=7, help="most draft tokens per step for learned drafters")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")

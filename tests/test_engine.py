@@ -84,6 +84,20 @@ def test_trees_on_a_sliding_window_model_equal_hf_and_the_state_holds(tiny, refe
     assert sum(o.stats["num_accepted_tokens"] for o in outs) > 0  # the trees were verified and some accepted
 
 
+def test_trees_deeper_than_a_sliding_window_are_refused_up_front(tiny):
+    """A tree as deep as the window would put an ancestor out of a row's window: refused when the engine is built,
+    for the target and for a draft model, instead of failing a step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 6, "draft_tree": True}
+    with pytest.raises(ValueError, match="the target's sliding window of 6 positions"):
+        LLM(tiny["mistral-window"][0], dtype="float32", device="cpu", max_model_len=64, speculative_config=spec)
+    spec = {"method": "draft_model", "model": tiny["mistral-window"][0], "num_speculative_tokens": 6,
+            "draft_tree": True}
+    with pytest.raises(ValueError, match="the draft model's sliding window of 6 positions"):
+        LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, speculative_config=spec)
+    LLM(tiny["mistral-window"][0], dtype="float32", device="cpu", max_model_len=64,  # 5 levels fit a window of 6
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5, "draft_tree": True})
+
+
 def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_path):
     """The draft model's tree (one tree-masked draft forward per depth) against EAGLE-2's selection simulated here,
     every path's log-probability from HF's draft model run on context + path from scratch."""

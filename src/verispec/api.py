@@ -160,6 +160,8 @@ class LLM:
 
     def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
         self.spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
+        if self.spec.draft_tree:
+            self.model.cfg.check_tree_depth(self.spec.num_speculative_tokens, "the target")
         self.rule = AcceptanceConfig(self.spec.acceptance_rule, self.spec.threshold_single, self.spec.threshold_acc)
         self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len, self.max_num_seqs)
         self._engine = None

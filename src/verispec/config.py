@@ -63,6 +63,14 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def check_tree_depth(self, depth: int, who: str) -> None:
+        """A draft tree of `depth` levels needs every ancestor inside each row's attention window."""
+        windows = [w for w in (self.layer_window(i) for i in range(self.num_layers)) if w is not None]
+        if windows and min(windows) <= depth:
+            raise ValueError(f"draft_tree: {who}'s sliding window of {min(windows)} positions is not longer than "
+                             f"the tree's depth (up to num_speculative_tokens = {depth}); lower "
+                             "num_speculative_tokens or draft chains")
+
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dictionary (transformers 4.x or 5.x layout)."""

@@ -45,6 +45,8 @@ class DrafterFactory:
             dtype = cfg.draft_dtype or target.dtype
             self.draft_model, resolved = load_model(cfg.model, dtype=dtype, device=target.device, progress=False)
             check_compatible(target, self.draft_model, target_tokenizer, load_tokenizer(resolved))
+            if cfg.draft_tree:
+                self.draft_model.cfg.check_tree_depth(cfg.num_speculative_tokens, "the draft model")
             self.draft_cache = self.draft_model.new_cache(min(max_len, self.draft_model.cfg.max_position_embeddings),
                                                           num_slots=num_slots)
         self.reset_shared()
