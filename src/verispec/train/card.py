@@ -23,8 +23,12 @@ def to_bf16(directory: str | Path) -> int:
 
 
 def write_card(directory: str | Path, method: str, *, commands: list[str], data_dir: str | Path, measured: str,
-               notes: list[str] = ()) -> Path:
-    """README.md next to the checkpoint: what it is, the exact commands, the data, training time, measured tau."""
+               notes: list[str] = (), made: str | None = None, load: str = "while other jobs ran") -> Path:
+    """README.md next to the checkpoint: what it is, the exact commands, the data, training time, measured tau.
+    made: the date and machine (default: today, a 2-core AVX2 CPU); load: what else ran on it meanwhile."""
+    import datetime
+
+    made = made or f"{datetime.date.today().isoformat()}, 2-core AVX2 CPU, no GPU"
     d = Path(directory)
     log = json.loads((d / "train_log.json").read_text())
     meta = read_meta(data_dir)
@@ -37,7 +41,7 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
         f"`speculative_config={{\"method\": \"{method}\", \"model\": \"{d.name}\"}}`. "
         "Output is identical to plain greedy decoding (sampling stays exact); the drafter only changes speed.",
         "",
-        "## How it was made (2026-11-29, 2-core AVX2 CPU, no GPU)",
+        f"## How it was made ({made})",
         "",
         "```bash",
         *commands,
@@ -48,8 +52,9 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
         f"from: {', '.join(meta['sources'])}. The project prompts share no 8-word run with the benchmark workloads "
         "(tested); public prompt files are DeepSpec's eval prompt sets (MIT), used as inputs only.",
         f"- Data generation: {meta['generate_s'] / 60:.0f} min generating + {meta['capture_s'] / 60:.0f} min capturing "
-        "hidden states, on the same machine while other jobs ran.",
-        f"- Training: {float(wall) / 60:.1f} min wall-clock on 2 shared CPU cores (budget-limited)"
+        f"hidden states ({meta.get('capture', 'prefill')} capture, target path "
+        f"{meta.get('quantization') or meta.get('dtype')}), on the same machine {load}.",
+        f"- Training: {float(wall) / 60:.1f} min wall-clock on 2 CPU cores (budget-limited)"
         + (f", {log['train_tokens_per_s']:.0f} trained positions per second of step time on "
            f"{log.get('world_size', 1)} rank(s)." if log.get("train_tokens_per_s") else "."),
         "",
