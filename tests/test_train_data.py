@@ -116,3 +116,40 @@ def test_prompt_files_split_at_newlines_only(tmp_path):
     f.write_text('{"turns": ["x"]}\n{"turns": [\n', encoding="utf-8")
     with pytest.raises(ValueError, match="line 2: not JSON"):
         read_prompt_file(str(f), None)
+
+
+def test_the_engine_is_fed_across_shards_and_a_stopped_run_resumes_to_the_same_data(tiny, tmp_path, monkeypatch):
+    """Shards of 2 sequences with 3 decoding at once: requests of several shards share steps (small shards keep the
+    engine full), each shard is written when its last response ends, and a run stopped by an error after its
+    first shard resumes to exactly the data of an uninterrupted run."""
+    import verispec.train.data as data
+
+    _, llm, prompts = tiny
+    gen = lambda out: generate_data(llm, str(out), prompts, sources=["test"], modes=("greedy", "sampled"),  # noqa
+                                    max_tokens=12, shard_size=2, layers=[1, 3, 5], progress=False)
+    engine, most = llm.engine, []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (most.append(len(engine.running)), step())[1])
+    gen(tmp_path / "whole")
+    assert max(most) == 3 > 2, "one shard at a time would run at most 2 requests"
+    monkeypatch.setattr(engine, "step", step)
+
+    written = []
+    real = data.write_shard
+
+    def stop_after_first(path, seqs):
+        if written:
+            raise KeyboardInterrupt
+        written.append(path)
+        real(path, seqs)
+
+    monkeypatch.setattr(data, "write_shard", stop_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        gen(tmp_path / "stopped")
+    assert read_meta(tmp_path / "stopped")["shards"] == [0] and not engine.has_work()
+    monkeypatch.setattr(data, "write_shard", real)
+    meta = gen(tmp_path / "stopped")
+    assert meta["shards"] == [0, 1, 2, 3, 4] and meta["num_sequences"] == 10
+    for i in range(5):
+        a, b = load_file(str(tmp_path / "whole" / shard_name(i))), load_file(str(tmp_path / "stopped" / shard_name(i)))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"shard {i}"

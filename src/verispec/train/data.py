@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 import time
+from contextlib import closing
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -101,23 +103,54 @@ def _fitting(llm, prompts: list[dict], max_tokens: int) -> list[dict]:
     return fits
 
 
-def _respond(llm, endpoint, chunk: list[tuple[dict, str]], first: int, max_tokens: int, temperature: float,
-             seed: int, record: tuple[int, ...] = ()) -> tuple[list[list[int]], list | None]:
-    """(The responses (token ids) to a chunk of (prompt, mode) jobs numbered from `first`, their recorded
-    {layer: [n, d]} states or None): from the endpoint, or from the local engine all at once (batched), recording
-    the states of `record` as it generates."""
+def _params(mode: str, job: int, max_tokens: int, temperature: float, seed: int, record: tuple[int, ...]):
     from verispec.execution.sampling import SamplingParams
 
-    if endpoint is not None:
-        return endpoint.respond([(p["ids"], mode, job_seed(seed, first + j)) for j, (p, mode) in enumerate(chunk)],
-                                max_tokens, temperature), None
+    if mode == "greedy":
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, return_hidden_states=record)
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=job_seed(seed, job),
+                          return_hidden_states=record)
 
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, return_hidden_states=record) if mode == "greedy"
-              else SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=job_seed(seed, first + j),
-                                  return_hidden_states=record)
-              for j, (_, mode) in enumerate(chunk)]
-    outs = llm.generate([{"prompt_token_ids": p["ids"]} for p, _ in chunk], params, use_tqdm=False)
-    return [list(o.token_ids) for o in outs], [o.hidden_states for o in outs] if record else None
+
+def _shards_done(llm, endpoint, jobs: list[tuple[dict, str]], todo: list[int], shard_size: int, max_tokens: int,
+                 temperature: float, seed: int, record: tuple[int, ...]) -> Iterator[tuple[int, list, list | None]]:
+    """(shard, its responses (token ids), their recorded {layer: [n, d]} states or None) for every shard of `todo`
+    as it finishes. An endpoint answers a shard at a time; the local engine is fed continuously across shards
+    (twice its max_num_seqs in flight), so small shards (cheap to lose when a run stops) keep it full."""
+    chunk = lambda i: jobs[i * shard_size : (i + 1) * shard_size]  # noqa: E731
+    if endpoint is not None:
+        for i in todo:
+            yield i, endpoint.respond([(p["ids"], mode, job_seed(seed, i * shard_size + j))
+                                       for j, (p, mode) in enumerate(chunk(i))], max_tokens, temperature), None
+        return
+    from verispec.execution.hidden_states import hidden_states
+    from verispec.state.request import Request
+
+    engine, d = llm.engine, llm.model.cfg.hidden_size
+    feed = iter(todo)
+    inflight: dict[int, list[Request]] = {}
+    try:
+        while True:
+            while sum(not r.finished for rs in inflight.values() for r in rs) < 2 * llm.max_num_seqs:
+                i = next(feed, None)
+                if i is None:
+                    break
+                inflight[i] = [Request(list(p["ids"]), _params(mode, i * shard_size + j, max_tokens, temperature,
+                                                               seed, record)) for j, (p, mode) in enumerate(chunk(i))]
+                for r in inflight[i]:
+                    engine.add_request(r)
+            if not inflight:
+                return
+            engine.step()
+            for i in [i for i, rs in inflight.items() if all(r.finished for r in rs)]:
+                rs = inflight.pop(i)
+                bad = [r for r in rs if r.finish_reason not in ("stop", "length")]
+                if bad:
+                    raise RuntimeError(f"shard {i}: a response failed ({bad[0].finish_reason}: {bad[0].error})")
+                yield i, [list(r.output_ids) for r in rs], [hidden_states(r, d) for r in rs] if record else None
+    finally:  # stopped (an error, an interrupt, the caller gone): nothing of ours stays in the engine
+        if any(not r.finished for rs in inflight.values() for r in rs):
+            engine.fail_all("train data stopped")
 
 
 def _recorded(model, full: list[list[int]], recorded: list, layers: list[int]
@@ -160,11 +193,10 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
                   capture: str = "auto", progress: bool = True) -> dict:
     """Write shards of (prompt + response) with captured hidden states; returns meta. Resumes a partial run.
 
-    Responses come from `llm` itself or, with `endpoint` (train/endpoint.py), from an OpenAI-compatible server of
-    the same target; the hidden states are always recomputed here, in batched prefill. `part` = (i, n): only
+    Responses come from `llm` itself (fed continuously across shards) or, with `endpoint` (train/endpoint.py), from
+    an OpenAI-compatible server of the same target; the hidden states are recorded while generating or recomputed
+    here in batched prefill (`capture`: generation / prefill / auto, see `_capture_mode`). `part` = (i, n): only
     shards s with s % n == i (n machines each run one part into their own directory; `merge_parts` joins them)."""
-    from verispec.drafters.features import capture_many
-
     model = llm.model
     layers = sorted(layers or default_layers(model.cfg.num_layers))
     bad = [i for i in layers if not 0 <= i <= model.cfg.num_layers]
@@ -194,32 +226,43 @@ def generate_data(llm, out_dir: str, prompts: list[dict], *, sources: list[str],
     size = lambda i: min(shard_size, len(jobs) - i * shard_size)  # noqa: E731
     bar = tqdm(total=sum(map(size, mine)), initial=sum(map(size, mine)) - sum(map(size, todo)), desc="train data",
                unit="seq", disable=not progress)
-    for i in todo:
-        chunk = jobs[i * shard_size : (i + 1) * shard_size]
-        t0 = time.perf_counter()
-        record = tuple(sorted({*layers, model.cfg.num_layers})) if capture == "generation" else ()
-        responses, recorded = _respond(llm, endpoint, chunk, i * shard_size, max_tokens, temperature, seed, record)
-        t1 = time.perf_counter()
-        full = [p["ids"] + r for (p, _), r in zip(chunk, responses)]
-        if recorded is not None:
-            states = _recorded(model, full, recorded, layers)
-        else:
-            states = [(ids, h, last) for ids, (h, last) in zip(full, capture_many(model, full, layers))]
-        seqs = [(ids, len(p["ids"]), {k: h[k].float() for k in layers}, last.float())
-                for (ids, h, last), (p, _) in zip(states, chunk)]
-        write_shard(out / shard_name(i), seqs)
-        meta["shards"] = sorted(set(meta["shards"]) | {i})
-        meta["num_sequences"] += len(seqs)
-        meta["tokens"] += sum(len(ids) for ids, *_ in seqs)
-        meta["response_tokens"] += sum(len(ids) - plen for ids, plen, *_ in seqs)
-        meta["generate_s"] = round(meta["generate_s"] + t1 - t0, 1)
-        meta["capture_s"] = round(meta["capture_s"] + time.perf_counter() - t1, 1)
-        if endpoint is not None and endpoint.retokenized:
-            meta["retokenized_responses"] = retokenized + endpoint.retokenized
-        write_meta(out, meta)
-        bar.update(len(chunk))
+    record = tuple(sorted({*layers, model.cfg.num_layers})) if capture == "generation" else ()
+    t0 = time.perf_counter()
+    shards = _shards_done(llm, endpoint, jobs, todo, shard_size, max_tokens, temperature, seed, record)
+    with closing(shards):
+        for i, responses, recorded in shards:
+            t1 = time.perf_counter()
+            chunk = jobs[i * shard_size : (i + 1) * shard_size]
+            _write(out, i, model, [p["ids"] for p, _ in chunk], responses, recorded, layers, meta)
+            meta["generate_s"] = round(meta["generate_s"] + t1 - t0, 1)
+            meta["capture_s"] = round(meta["capture_s"] + time.perf_counter() - t1, 1)
+            if endpoint is not None and endpoint.retokenized:
+                meta["retokenized_responses"] = retokenized + endpoint.retokenized
+            write_meta(out, meta)
+            bar.update(len(chunk))
+            t0 = time.perf_counter()  # generating goes on from here (the engine is fed across shards)
     bar.close()
     return meta
+
+
+def _write(out: Path, i: int, model, prompts: list[list[int]], responses: list[list[int]], recorded: list | None,
+           layers: list[int], meta: dict) -> None:
+    """Shard i from its prompts and responses: the states recorded while generating, or a batched prefill now;
+    `meta` counts it (the caller writes meta.json after the shard)."""
+    from verispec.drafters.features import capture_many
+
+    full = [p + r for p, r in zip(prompts, responses)]
+    if recorded is not None:
+        states = _recorded(model, full, recorded, layers)
+    else:
+        states = [(ids, h, last) for ids, (h, last) in zip(full, capture_many(model, full, layers))]
+    seqs = [(ids, len(p), {k: h[k].float() for k in layers}, last.float())
+            for (ids, h, last), p in zip(states, prompts)]
+    write_shard(out / shard_name(i), seqs)
+    meta["shards"] = sorted(set(meta["shards"]) | {i})
+    meta["num_sequences"] += len(seqs)
+    meta["tokens"] += sum(len(ids) for ids, *_ in seqs)
+    meta["response_tokens"] += sum(len(ids) - plen for ids, plen, *_ in seqs)
 
 
 def merge_parts(out_dir: str, parts: list[str]) -> dict:
