@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers import sharp_llama
 from verispec import LLM, SamplingParams
 from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import resolve
@@ -28,20 +29,15 @@ BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 8 * 4  # K and V x 2 layers x 2 KV heads x 4 p
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(11)
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(4.0)  # sharp distributions: repeated runs, so the n-gram drafts are accepted
+    """A 2-layer Llama with sharp distributions (repeated runs, so the n-gram drafts are accepted), with the
+    default model's tokenizer files: its first 60 ids decode to text, so stop strings work."""
     d = tmp_path_factory.mktemp("llama")
-    m.save_pretrained(d)
-    src = resolve(DEFAULT_MODEL, progress=False).directory  # its first 60 ids decode to text: stop strings work
+    hf, _ = sharp_llama(d, 11, vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    src = resolve(DEFAULT_MODEL, progress=False).directory
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, d / name)
-    return str(d), m
+    return str(d), hf
 
 
 def hf_states(hf, ids: list[int]) -> list[torch.Tensor]:
