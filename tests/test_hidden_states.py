@@ -47,11 +47,11 @@ def hf_states(hf, ids: list[int]) -> list[torch.Tensor]:
     return [h[0] for h in out.hidden_states]
 
 
-def check_against_hf(hf, prompt: list[int], out) -> None:
+def check_against_hf(hf, prompt: list[int], out, layers=LAYERS) -> None:
     fed = prompt + out.token_ids[:-1]  # the last output token is never fed
     ref = hf_states(hf, fed)
-    assert set(out.hidden_states) == set(LAYERS)
-    for i in LAYERS:
+    assert set(out.hidden_states) == set(layers)
+    for i in layers:
         got = out.hidden_states[i]
         assert got.shape == (len(fed), 32), f"layer {i}: {tuple(got.shape)} rows for {len(fed)} fed positions"
         if i == 2:  # HF's last entry is after the final norm
@@ -64,20 +64,36 @@ def _llm(path: str, spec: dict | None = None, **kw) -> LLM:
                block_size=BLOCK, scheduler="static", **kw)
 
 
-def _params(**kw) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, return_hidden_states=LAYERS, **kw)
+def _params(layers=LAYERS) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, return_hidden_states=layers)
             for n in MAX_TOKENS]
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 
 
-@pytest.mark.parametrize("case", ["plain", "ngram", "ngram-tree", "preempted", "prefix-cached"])
-def test_recorded_states_equal_hf_from_scratch(tiny, case):
+@pytest.fixture(scope="module")
+def eagle3_head(tiny, tmp_path_factory) -> str:
+    """A random EAGLE-3 head reading layer 1 while the requests record 0 and 2: each step captures both sets."""
+    from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
+    from verispec.models.loader import load_model
+
+    model, _ = load_model(tiny[0], dtype="float32", device="cpu", progress=False)
+    torch.manual_seed(5)
+    head = Eagle3Head(Eagle3Config.for_target(model, (1,), draft_vocab_size=60), model)
+    d = tmp_path_factory.mktemp("eagle3")
+    head.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("case", ["plain", "ngram", "ngram-tree", "preempted", "prefix-cached", "eagle3"])
+def test_recorded_states_equal_hf_from_scratch(tiny, case, request):
     path, hf = tiny
     kw: dict = {"max_num_seqs": 3, "max_num_batched_tokens": 8}  # prompts prefill in chunks beside decodes
     spec = {"plain": None, "ngram": NGRAM, "ngram-tree": {**NGRAM, "draft_tree": True}, "preempted": NGRAM,
-            "prefix-cached": NGRAM}[case]
+            "prefix-cached": NGRAM, "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False}}[case]
+    if case == "eagle3":
+        spec["model"] = request.getfixturevalue("eagle3_head")
     if case == "preempted":
         kw = {"max_num_seqs": 5, "kv_cache_memory_bytes": 14 * BLOCK_BYTES}
     if case == "prefix-cached":
@@ -86,13 +102,14 @@ def test_recorded_states_equal_hf_from_scratch(tiny, case):
     if case == "prefix-cached":  # the prompts' blocks are cached first; a request that records must not skip them
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=2),
                      use_tqdm=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
-    if spec is not None:
+    layers = (0, 2) if case == "eagle3" else LAYERS
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(layers), use_tqdm=False)
+    if spec is not None and case != "eagle3":  # a random head's drafts are mostly rejected
         assert sum(o.stats["num_accepted_tokens"] for o in outs) > 10, "drafts were meant to be accepted"
     if case == "preempted":
         assert llm.engine.num_preemptions > 0, "the pool was meant to run out"
     for p, o in zip(PROMPTS, outs):
-        check_against_hf(hf, p, o)
+        check_against_hf(hf, p, o, layers)
 
 
 def test_a_stop_string_cut_keeps_the_rows_of_the_kept_tokens(tok_dir_llm):
