@@ -289,3 +289,36 @@ def test_tree_drafting_in_the_engine_equals_hf_with_state_oracle(setup):
     b = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], sampled, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert llm.engine.kv_tokens() == 0
+
+
+def test_a_q8_0_head_drafts_like_the_float_head_and_stays_lossless(setup):
+    """`quantize_q8act` (the head beside a gguf-q8act target): every linear, on the kernel with int8 activations,
+    stays within 2% of the float product, the head's logits mostly agree on the top token, and the engine's greedy
+    output still equals HF's with the state oracle on (the drafter's state is recomputed with the same head)."""
+    from verispec.drafters.eagle3 import LINEARS
+
+    llm, head_dir = setup["llm"], str(setup["root"] / "head")
+    dense, rounded = load(head_dir, llm.model), load(head_dir, llm.model)
+    rounded.quantize_q8act()
+    g = torch.Generator().manual_seed(3)
+    for name in LINEARS:
+        w = getattr(dense, name).weight  # [N, K]
+        x = torch.randn(5, w.shape[1], generator=g)
+        want = x @ w.t()
+        assert (getattr(rounded, name)(x) - want).norm() < 0.02 * want.norm(), name
+    h = torch.randn(200, 32, generator=g)
+    a, b = dense.logits(h), rounded.logits(h)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    with pytest.raises(ValueError, match="Q8_0"):
+        rounded.save_pretrained(setup["root"] / "never")
+
+    spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": 4}
+    eng = LLM(str(setup["root"] / "target"), dtype="float32", max_model_len=128, max_num_seqs=4, progress=False,
+              speculative_config=spec, check_state=True, scheduler="static", max_num_batched_tokens=8)
+    eng.drafters.learned.quantize_q8act()
+    prompts = [p["ids"] + p["ids"][:3] for p in setup["prompts"][:6]]
+    outs = eng.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * 6, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(setup["hf"], p, MAX_NEW)
+    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.2, "the rounded head still gets drafts accepted"

@@ -64,6 +64,9 @@ class Eagle3Config:
                    max_position_embeddings=c.max_position_embeddings)
 
 
+LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config, target: LlamaModel) -> None:
         super().__init__()
@@ -96,15 +99,30 @@ class Eagle3Head(nn.Module):
     def feature_layers(self) -> tuple[int, ...]:
         return self.cfg.feature_layers
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norms'; its linears may be Q8_0 blocks, `quantize_q8act`)."""
+        return self.norm.dtype
+
+    def quantize_q8act(self) -> None:
+        """Inference on verispec's CPU kernel: every linear rounded to Q8_0 blocks (gguf's quantizer), int8
+        activations per 32, as the gguf-q8act target runs. A draft token then reads about a quarter of the
+        float32 weight bytes; drafts change a little, verification keeps the output exact. Not for training."""
+        from verispec.execution.q8act import Q8ActWeight
+
+        assert self.dtype is torch.float32 and self.norm.device.type == "cpu", "the q8act kernel is CPU float32"
+        for name in LINEARS:
+            setattr(self, name, Q8ActWeight.from_float(getattr(self, name).weight))
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # the target's table is frozen: detached, so training the head sends no gradient into it
-        return F.embedding(ids, self._target[0].embed.detach()).to(self.fc.weight.dtype)
+        return F.embedding(ids, self._target[0].embed.detach()).to(self.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._target[0]
         if int(positions.max()) >= t.max_positions:
             raise ValueError("position beyond the target's RoPE table")
-        dt = self.fc.weight.dtype
+        dt = self.dtype
         return t.rope_cos[positions].to(dt).unsqueeze(1), t.rope_sin[positions].to(dt).unsqueeze(1)  # [n, 1, hd]
 
     # ---- the layer, split so training (TTT) and inference share every op ------------------------------------
@@ -141,6 +159,8 @@ class Eagle3Head(nn.Module):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path, extra: dict | None = None) -> None:
+        if not isinstance(self.lm_head, nn.Linear):
+            raise ValueError("this head's linears were rounded to Q8_0 for inference; save the float head")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
@@ -149,8 +169,9 @@ class Eagle3Head(nn.Module):
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
-def load(path: str | Path, target: LlamaModel) -> Eagle3Head:
-    """A head saved by `save_pretrained` (verispec layout) for `target`, in the target's dtype and device."""
+def load(path: str | Path, target: LlamaModel, inference: bool = True) -> Eagle3Head:
+    """A head saved by `save_pretrained` (verispec layout) for `target`, in the target's dtype and device; for
+    inference beside a gguf-q8act target, on the same kernel (`quantize_q8act`); `inference=False`: float, to train."""
     p = Path(path)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is not an EAGLE-3 checkpoint (config.json missing)")
@@ -162,7 +183,10 @@ def load(path: str | Path, target: LlamaModel) -> Eagle3Head:
     cfg = Eagle3Config(**{k: (tuple(v) if k == "feature_layers" else v) for k, v in raw.items() if k in fields})
     head = Eagle3Head(cfg, target)
     head.load_state_dict(load_file(str(p / "model.safetensors")))
-    return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    if inference and target.decoder_kernel is not None:  # the gguf-q8act target: the head on the same kernel
+        head.quantize_q8act()
+    return head
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
@@ -190,7 +214,7 @@ class Eagle3Drafter:
         c = head.cfg
         self.head, self.params = head, params
         self.feature_layers = head.feature_layers
-        dev, dt = head.fc.weight.device, head.fc.weight.dtype
+        dev, dt = head.norm.device, head.dtype
         self._fused = torch.empty(max_len + 1, c.hidden_size, device=dev, dtype=dt)  # [n_feat, d] used rows
         self._n_fused = 0  # rows of _fused holding fused features
         # raw target features not fused yet: fusing waits until a proposal needs them, so that a request whose

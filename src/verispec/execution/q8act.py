@@ -73,6 +73,19 @@ class Q8ActWeight(nn.Module):
         raw = np.concatenate([np.asarray(r, np.uint8) for r, _ in parts])
         return cls(raw, kinds.pop(), raw.shape[0], k)
 
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Q8ActWeight:
+        """A float weight [N, K] (K a multiple of 32) rounded to Q8_0 blocks by gguf's own quantizer (bit-exact
+        with llama.cpp's quantize_row_q8_0): for weights that come as floats, e.g. a trained drafter's."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        n, k = w.shape
+        if k % BLOCK:
+            raise ValueError(f"Q8_0 needs K a multiple of {BLOCK}, got [{n}, {k}]")
+        raw = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)  # uint8 [N, K / 32 * 34]
+        return cls(raw, "Q8_0", n, k)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.k

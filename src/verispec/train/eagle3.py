@@ -207,7 +207,7 @@ def make_head(target: LlamaModel, train: list[TrainSequence], dist: Dist, draft_
     on other data (its draft vocabulary kept, the rest of its shape must agree)."""
     layers = eagle3_layers(target.cfg.num_layers)
     if init is not None:
-        head = load_head(init, target).float().train().requires_grad_(True)
+        head = load_head(init, target, inference=False).float().train().requires_grad_(True)
         want = {"feature_layers": tuple(layers), "draft_vocab_size": draft_vocab,
                 "intermediate_size": intermediate_size or target.cfg.intermediate_size}
         bad = {k: getattr(head.cfg, k) for k, v in want.items() if getattr(head.cfg, k) != v}
