@@ -36,7 +36,7 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
     lines = [
         f"# {TITLES[method]} for SmolLM2-135M-Instruct",
         "",
-        f"A verispec `{method}` drafter for the default model (`smollm2-135m-instruct`, the Q4_1 GGUF dequantised). "
+        f"A verispec `{method}` drafter for the default model (`smollm2-135m-instruct`, its Q4_1 GGUF). "
         f"Use: `verispec generate ... --method {method} --draft-model {d.name}` or "
         f"`speculative_config={{\"method\": \"{method}\", \"model\": \"{d.name}\"}}`. "
         "Output is identical to plain greedy decoding (sampling stays exact); the drafter only changes speed.",
