@@ -30,7 +30,7 @@ from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
-from verispec.execution.hidden_states import record_hidden_states, record_layers
+from verispec.execution.hidden_states import check_layers, record_hidden_states, record_layers
 from verispec.execution.logprobs import record_logprobs
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
 from verispec.execution.tree_verify import verify_tree
@@ -127,10 +127,7 @@ class Engine:
         if req.params.stop and self.detokenize is None:
             raise ValueError("stop strings need the model's tokenizer to decode the output, and this engine has none "
                              "(a checkpoint without tokenizer files); use stop_token_ids instead")
-        bad = [i for i in req.params.return_hidden_states if i > self.model.cfg.num_layers]
-        if bad:
-            raise ValueError(f"return_hidden_states: layers {bad} are outside 0..{self.model.cfg.num_layers} (the "
-                             f"index {self.model.cfg.num_layers} is the last layer's output)")
+        check_layers(req, self.model.cfg.num_layers)
         total = len(req.prompt_ids) + req.params.max_tokens
         if total > self.cache.max_len:
             raise RequestTooLong(

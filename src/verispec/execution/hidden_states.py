@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from verispec.state.request import Request
 
 
+def check_layers(req: "Request", num_layers: int) -> None:
+    """ValueError when the request asks for a layer the target does not have (index num_layers: its last output)."""
+    bad = [i for i in req.params.return_hidden_states if i > num_layers]
+    if bad:
+        raise ValueError(f"return_hidden_states: layers {bad} are outside 0..{num_layers} (the index {num_layers} "
+                         "is the last layer's output)")
+
+
 def record_layers(reqs: Sequence["Request"]) -> tuple[int, ...]:
     """The layers a step must capture for these requests (their union)."""
     return tuple(sorted({i for r in reqs for i in r.params.return_hidden_states}))

@@ -76,7 +76,7 @@ class ModelRunner:
                 logits_rows.extend(range(len(ids), len(ids) + n))
             segments.append(Segment(b.slot, b.start, n, tree=b.tree))
             ids.extend(b.tokens)
+        capture = tuple(sorted({*self.feature_layers, *record_layers})) if record_layers else self.feature_layers
         out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
-                         logits_indices=logits_rows,
-                         capture_layers=tuple(sorted(set(self.feature_layers) | set(record_layers))))
+                         logits_indices=logits_rows, capture_layers=capture)
         return BatchOutput(out, rows, logit_rows, self.feature_layers)

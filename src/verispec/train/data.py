@@ -115,26 +115,29 @@ def _params(mode: str, job: int, max_tokens: int, temperature: float, seed: int,
 def _shards_done(llm, endpoint, jobs: list[tuple[dict, str]], todo: list[int], shard_size: int, max_tokens: int,
                  temperature: float, seed: int, record: tuple[int, ...]) -> Iterator[tuple[int, list, list | None]]:
     """(shard, its responses (token ids), their recorded {layer: [n, d]} states or None) for every shard of `todo`
-    as it finishes. An endpoint answers a shard at a time; the local engine is fed continuously across shards
-    (twice its max_num_seqs in flight), so small shards (cheap to lose when a run stops) keep it full."""
+    as it finishes: from the endpoint a shard at a time, or from the local engine fed across shards."""
     chunk = lambda i: jobs[i * shard_size : (i + 1) * shard_size]  # noqa: E731
-    if endpoint is not None:
-        for i in todo:
-            yield i, endpoint.respond([(p["ids"], mode, job_seed(seed, i * shard_size + j))
-                                       for j, (p, mode) in enumerate(chunk(i))], max_tokens, temperature), None
-        return
+    if endpoint is None:
+        return _engine_shards(llm, chunk, todo, shard_size, max_tokens, temperature, seed, record)
+    return ((i, endpoint.respond([(p["ids"], mode, job_seed(seed, i * shard_size + j))
+                                  for j, (p, mode) in enumerate(chunk(i))], max_tokens, temperature), None)
+            for i in todo)
+
+
+def _engine_shards(llm, chunk, todo: list[int], shard_size: int, max_tokens: int, temperature: float, seed: int,
+                   record: tuple[int, ...]) -> Iterator[tuple[int, list, list | None]]:
+    """The local engine with twice its max_num_seqs requests in flight across shard boundaries, so small shards
+    (cheap to lose when a run stops) keep it full; a shard is yielded when its last response ends."""
     from verispec.execution.hidden_states import hidden_states
     from verispec.state.request import Request
 
     engine, d = llm.engine, llm.model.cfg.hidden_size
     feed = iter(todo)
     inflight: dict[int, list[Request]] = {}
+    unfinished = lambda: sum(not r.finished for rs in inflight.values() for r in rs)  # noqa: E731
     try:
         while True:
-            while sum(not r.finished for rs in inflight.values() for r in rs) < 2 * llm.max_num_seqs:
-                i = next(feed, None)
-                if i is None:
-                    break
+            while unfinished() < 2 * llm.max_num_seqs and (i := next(feed, None)) is not None:
                 inflight[i] = [Request(list(p["ids"]), _params(mode, i * shard_size + j, max_tokens, temperature,
                                                                seed, record)) for j, (p, mode) in enumerate(chunk(i))]
                 for r in inflight[i]:
@@ -149,7 +152,7 @@ def _shards_done(llm, endpoint, jobs: list[tuple[dict, str]], todo: list[int], s
                     raise RuntimeError(f"shard {i}: a response failed ({bad[0].finish_reason}: {bad[0].error})")
                 yield i, [list(r.output_ids) for r in rs], [hidden_states(r, d) for r in rs] if record else None
     finally:  # stopped (an error, an interrupt, the caller gone): nothing of ours stays in the engine
-        if any(not r.finished for rs in inflight.values() for r in rs):
+        if unfinished():
             engine.fail_all("train data stopped")
 
 
