@@ -70,28 +70,49 @@ static float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact */
     return f;
 }
 
-/* x [M, K] (float32, or bfloat16 when x_bf16) -> q [M, K] int8, s [M, K/32] scales, ss [M, K/32] s * sum(q) */
-void vs_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *q, float *s, float *ss) {
-    const int64_t nb = K / QK;
-    for (int64_t r = 0; r < M; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            float v[QK];
-            const int64_t i0 = r * K + b * QK;
-            for (int j = 0; j < QK; j++)
-                v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i0 + j]) : ((const float *)x)[i0 + j];
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-            const float d = amax / 127.0f;
-            const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < QK; j++) {
-                const int qj = (int)nearbyintf(v[j] * inv);
-                q[i0 + j] = (int8_t)qj;
-                sum += qj;
-            }
-            s[r * nb + b] = d;
-            ss[r * nb + b] = d * (float)sum;
+/* one row x [K] (float32, or bfloat16 when x_bf16) -> q [K] int8, s [K/32] scales, ss [K/32] s * sum(q): per block
+ * of 32, d = amax / 127, q = round-half-even(x * (1 / d)). The AVX2 lines compute the same values: max is exact
+ * (a NaN ignored, as fmaxf does), x * inv is one IEEE product, and its rounding is nearbyintf's */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s, float *ss) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float v[QK];
+        for (int j = 0; j < QK; j++)
+            v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
+        float amax = 0.0f;
+        int sum = 0;
+#ifdef VS_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)), mx);
+        float l[8];
+        _mm256_storeu_ps(l, mx);
+        for (int j = 0; j < 8; j++) amax = l[j] > amax ? l[j] : amax;
+        const float d = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i acc = _mm256_setzero_si256();
+        for (int j = 0; j < QK; j += 8) {
+            const __m256i qi = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + j), inv),
+                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            acc = _mm256_add_epi32(acc, qi);
+            int32_t t[8];
+            _mm256_storeu_si256((__m256i *)t, qi);
+            for (int k = 0; k < 8; k++) q[b * QK + j + k] = (int8_t)t[k];
         }
+        int32_t t[8];
+        _mm256_storeu_si256((__m256i *)t, acc);
+        for (int k = 0; k < 8; k++) sum += t[k];
+#else
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float d = amax / 127.0f;
+        const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < QK; j++) {
+            const int qj = (int)nearbyintf(v[j] * inv);
+            q[b * QK + j] = (int8_t)qj;
+            sum += qj;
+        }
+#endif
+        s[b] = d;
+        ss[b] = d * (float)sum;
     }
 }
 
@@ -345,8 +366,18 @@ static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, 
  * visible: every score -inf). exp: vexp8 on whole vectors from the start, vexp on the tail (the same values) */
 static float softmax_row(float *sr, int64_t L, int vec) {
     float mx = -INFINITY, den = 0.0f;
-    for (int64_t l = 0; l < L; l++) mx = fmaxf(mx, sr[l]);
     int64_t l = 0;
+#ifdef VS_AVX2
+    if (vec && L >= 8) { /* the same maximum (exact; a NaN ignored, as fmaxf does) */
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        for (; l + 8 <= L; l += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(sr + l), m8);
+        float t[8];
+        _mm256_storeu_ps(t, m8);
+        for (int j = 0; j < 8; j++) mx = t[j] > mx ? t[j] : mx;
+    }
+#endif
+    for (; l < L; l++) mx = fmaxf(mx, sr[l]);
+    l = 0;
     if (mx == -INFINITY) {
         for (; l < L; l++) sr[l] = 0.0f;
         return 0.0f;
@@ -497,12 +528,16 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
     if (!scratch) return -2;
     float *s = (float *)scratch, *ss = s + M * nb, *xn = ss + M * nb;
     int8_t *q = (int8_t *)(xn + normed);
-    if (norm_w || act) {
-        if (norm_w) rms_norm_rows(x, x_bf16, M, K, norm_w, eps, xn);
-        else swiglu_rows((const float *)x, M, K, xn, use_ref);
-        vs_quantize_rows(xn, 0, M, K, q, s, ss);
-    } else {
-        vs_quantize_rows(x, x_bf16, M, K, q, s, ss);
+    /* each row alone (normed or SwiGLU'd, then quantised), so the rows may go to threads: the same values */
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
+    for (int64_t r = 0; r < M; r++) {
+        if (norm_w || act) {
+            if (norm_w) rms_norm_rows((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, 1, K, norm_w, eps, xn + r * K);
+            else swiglu_rows((const float *)x + r * 2 * K, 1, K, xn + r * K, use_ref);
+            quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb);
+        } else {
+            quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, q + r * K, s + r * nb, ss + r * nb);
+        }
     }
     const qrows rows = {q, s, ss};
 #ifdef VS_AVX2
@@ -511,8 +546,11 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
 #endif
         gemm_ref(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
     (void)use_ref;
-    if (residual)
-        for (int64_t i = 0; i < M * N; i++) ((float *)out)[i] += residual[i];
+    if (residual) {
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t i = r * N; i < (r + 1) * N; i++) ((float *)out)[i] += residual[i];
+    }
     free(scratch);
     return 0;
 }
