@@ -579,3 +579,81 @@ def test_selector_cli_writes_the_drafter_with_its_selector(trained, tiny, data_d
     assert back.selector is not None and back.selector.cfg.top_m == 4
     assert json.loads((tmp_path / "dflash2" / "path_selector.json").read_text())["heldout"]["step"] == 3
     assert load(tmp_path / "dflash", tiny[2]).selector is None  # the source stays as it was
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_q8_0_drafter_drafts_like_the_float_one_and_stays_lossless(trained, tiny, tmp_path, method):
+    """`quantize_q8act` (the drafter beside a gguf-q8act target): every linear on the kernel with int8 activations
+    stays within 2% of the float product, the logits through the target's Q8_0 head mostly agree on the top token,
+    the drafter refuses to be saved, `load` rounds it only beside a target that runs the kernel, and the engine's
+    greedy output still equals HF's with the state oracle on (the context K/V is recomputed by the same layers)."""
+    import copy
+
+    from verispec import LLM, SamplingParams
+    from verispec.drafters.dflash_model import LAYER_LINEARS
+    from verispec.drafters.dspark_head import MarkovHead
+    from verispec.execution.q8act import Q8ActWeight
+
+    path, hf, target = tiny
+    dense = trained[method][0]
+    rounded = copy.deepcopy(dense)
+    rounded.quantize_q8act(Q8ActWeight.from_float(target.output_weight()))
+    g = torch.Generator().manual_seed(5)
+    pairs = [(dense.fc, rounded.fc)] + [(getattr(a, n), getattr(b, n)) for a, b in zip(dense.layers, rounded.layers)
+                                         for n in LAYER_LINEARS]
+    for a, b in pairs:
+        assert isinstance(b, Q8ActWeight)
+        x = torch.randn(5, a.weight.shape[1], generator=g)
+        want = x @ a.weight.t()
+        assert (b(x) - want).norm() < 0.02 * want.norm()
+    h = torch.randn(200, 32, generator=g)
+    assert (dense.logits(h).argmax(-1) == rounded.logits(h).argmax(-1)).float().mean() >= 0.9
+    with pytest.raises(ValueError, match="Q8_0"):
+        rounded.save_pretrained(tmp_path / "never")
+    markov = MarkovHead(64, 32, 32)  # a rank the blocks fit (the tiny drafter's 16 stays float)
+    torch.nn.init.normal_(markov.w2.weight, std=0.1, generator=g)
+    prev = torch.tensor([3, 9, 60])
+    want = markov.bias(prev)
+    markov.w2 = Q8ActWeight.from_float(markov.w2.weight)
+    assert (markov.bias(prev) - want).norm() < 0.02 * want.norm() and markov.bias(prev[0]).shape == (64,)
+
+    dense.save_pretrained(tmp_path / "ck")
+    assert not load(tmp_path / "ck", target).quantized  # a dense target: the float drafter
+    spec = {"method": method, "model": str(tmp_path / "ck"), "num_speculative_tokens": 5}
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2, check_state=True,
+              max_num_batched_tokens=8, scheduler="static", progress=False, speculative_config=spec)
+    llm.model.decoder_kernel, llm.model.head_weight = object(), Q8ActWeight.from_float(llm.model.output_weight())
+    q = load(tmp_path / "ck", llm.model)  # beside a target on the kernel: rounded, logits through its head
+    assert q.quantized and q.head is llm.model.head_weight
+    llm.model.decoder_kernel, llm.model.head_weight = None, None
+    llm.drafters.learned.quantize_q8act(q.head)
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 20)
+    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0, "the rounded drafter still gets drafts accepted"
+
+
+def test_init_continues_from_a_trained_drafter_and_refuses_another_shape(tiny, data_dir, tmp_path):
+    """--init: the run starts where the given drafter ended (its held-out metrics before the first update are the
+    trained drafter's after its last), keeps its shape, and refuses another method or block size."""
+    import argparse
+    from dataclasses import replace
+
+    def run(method, *extra):
+        p = argparse.ArgumentParser()
+        tr.add_args(p, method)
+        rank = ["--markov-rank", "8"] if method == "dspark" else []
+        return tr.run(p.parse_args(["--data", str(data_dir), "--device", "cpu", "--quick", *rank, *extra]), method)
+
+    first = run("dspark", "--out", str(tmp_path / "a"), "--steps", "6", "--block-size", "4")
+    more = run("dspark", "--out", str(tmp_path / "b"), "--steps", "2", "--block-size", "4", "--init", str(tmp_path / "a"))
+    want, got = first["heldout"][-1], more["heldout"][0]
+    assert got["step"] == 0 and all(abs(got[k] - want[k]) < 1e-5 for k in want if k != "step"), (got, want)
+    shape = lambda c: replace(c, confidence_temperatures=())  # noqa: E731 (calibrated again after the run)
+    assert shape(load(tmp_path / "b", tiny[2]).cfg) == shape(load(tmp_path / "a", tiny[2]).cfg)
+    with pytest.raises(ValueError, match="dspark True"):
+        run("dflash", "--out", str(tmp_path / "c"), "--steps", "1", "--block-size", "4", "--init", str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="block_size 4"):
+        run("dspark", "--out", str(tmp_path / "d"), "--steps", "1", "--block-size", "8", "--init", str(tmp_path / "a"))

@@ -43,9 +43,14 @@ from verispec.models.tree import TreeDraft
 TREE_TOPK = 4  # children considered per expanded node
 
 
-def load(path: str | Path, target) -> DFlashModel:
-    """A trained DFlash / DSpark checkpoint for `target`, in the target's dtype and device."""
-    return DFlashModel.from_pretrained(path, target)
+def load(path: str | Path, target, inference: bool = True) -> DFlashModel:
+    """A trained DFlash / DSpark checkpoint for `target`, in the target's dtype and device; for inference beside a
+    gguf-q8act target, on the same kernel (`DFlashModel.quantize_q8act`); `inference=False`: float, to train or
+    export."""
+    model = DFlashModel.from_pretrained(path, target)
+    if inference and target.decoder_kernel is not None:
+        model.quantize_q8act(target.head_weight)
+    return model
 
 
 class DFlashDrafter:
@@ -53,7 +58,7 @@ class DFlashDrafter:
         self.model, self.params, self.cfg = model, params, model.cfg
         self.name = "dspark" if model.cfg.dspark else "dflash"
         self.feature_layers = model.cfg.feature_layers
-        self.device = model.fc.weight.device
+        self.device = model.norm.weight.device
         self.n = 0  # committed positions whose context K/V is cached
         self._k: list[torch.Tensor] = []  # per layer [cap, K, hd]
         self._v: list[torch.Tensor] = []

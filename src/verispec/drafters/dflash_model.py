@@ -30,6 +30,7 @@ from verispec.drafters.features import dflash_target_layer_ids
 from verispec.models.rope import apply_rope
 
 MASK_HANDLING = "learned_embedding"
+LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,36 @@ class DFlashModel(nn.Module):
         self.mask_embedding = nn.Parameter(parts.embed.float().mean(0).to(parts.embed.dtype).clone())  # [d]
         self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank) if cfg.dspark else None
         self.selector = None  # DFlash 2's path selector (drafters/path_selector.py), stored in files of its own
+        self.head: nn.Module | None = None  # the target's own output head where it runs on the q8act kernel
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith("markov."):
                 nn.init.normal_(p, std=0.02)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        """The dtype the drafter computes in (its norms'; its linears may be Q8_0 blocks, `quantize_q8act`)."""
+        return self.norm.weight.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return not isinstance(self.fc, nn.Linear)
+
+    def quantize_q8act(self, head: nn.Module) -> None:
+        """Inference on verispec's CPU kernel beside a gguf-q8act target: every linear (W_c, the layers', DSpark's
+        Markov W2 where its rank is a multiple of 32) rounded to Q8_0 blocks by gguf's quantizer, int8 activations
+        per 32, and the logits through `head`, the target's own Q8_0 output head on the same kernel (the GGUF's
+        blocks of the matrix the float path reads). A block forward then reads about a quarter of the float32
+        bytes; drafts change a little, verification keeps the output exact. Not for training or export."""
+        from verispec.execution.q8act import Q8ActWeight
+
+        assert self.dtype is torch.float32 and self.norm.weight.device.type == "cpu", "the q8act kernel is CPU fp32"
+        self.fc = Q8ActWeight.from_float(self.fc.weight)
+        for layer in self.layers:
+            for name in LAYER_LINEARS:
+                setattr(layer, name, Q8ActWeight.from_float(getattr(layer, name).weight))
+        if self.markov is not None and self.cfg.markov_rank % 32 == 0:  # Q8_0 blocks are 32 wide
+            self.markov.w2 = Q8ActWeight.from_float(self.markov.w2.weight)
+        self.head = head
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -208,6 +232,8 @@ class DFlashModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [..., d] -> U: [..., V] float32 through the target's output matrix."""
+        if self.head is not None:
+            return self.head(h.reshape(-1, h.shape[-1]).float()).view(*h.shape[:-1], -1)
         return F.linear(h, self.parts.out_weight.to(h.dtype)).float()
 
     def forward_train(self, feats: torch.Tensor, ctx_pos: torch.Tensor, ctx_seq: torch.Tensor, anchors: torch.Tensor,
@@ -233,6 +259,8 @@ class DFlashModel(nn.Module):
         """config.json + model.safetensors with the drafter's own weights only (no target embedding / head)."""
         from safetensors.torch import save_file
 
+        if self.quantized:
+            raise ValueError("this drafter's linears were rounded to Q8_0 for inference; save the float drafter")
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         c = self.cfg

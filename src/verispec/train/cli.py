@@ -77,7 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from verispec.models.loader import load_model, parse_dtype
 
         target, _ = load_model(args.model, dtype="float32", device="cpu")
-        drafter = load(resolve(args.checkpoint), target)
+        drafter = load(resolve(args.checkpoint), target, inference=False)
         path = export(drafter, target, args.out, args.format, args.mask_token_id, args.verifier or args.model,
                       parse_dtype(args.dtype))
         print(f"wrote {path} ({args.format} layout)")

@@ -178,7 +178,7 @@ def run(args) -> dict:
     data = Path(args.data)
     target, _ = load_model(args.model or read_meta(data)["model"], dtype=args.dtype, progress=False)
     src = resolve(args.drafter)
-    model = load(src, target)
+    model = load(src, target, inference=False)
     seqs = load_all(data)
     tc = TrainConfig(steps=args.steps, max_minutes=args.max_minutes, lr=args.lr, warmup=20, eval_every=100,
                      save_every=0, seqs_per_step=4)
