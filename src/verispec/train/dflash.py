@@ -273,9 +273,31 @@ def add_args(parser, method: str) -> None:
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per rank and step (gradient "
                         "accumulation)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", default=None, help="start from this trained drafter (a directory or shipped "
+                        "name) instead of fresh weights; its layers, block size and target layers are kept (a DFlash "
+                        "path selector is dropped: it was fitted to the old backbone)")
     loop_args(parser)
     if method == "dspark":
         parser.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head W2 W1")
+
+
+def initial_drafter(init: str, target, asked: DFlashConfig, layers_given: bool) -> DFlashModel:
+    """`--init`: the trained drafter to go on training (float32, without a path selector), refused where it is
+    another method or another shape than the run asks for (block size, Markov rank, --layers when given)."""
+    from verispec.drafters.dflash import load
+    from verispec.drafters.shipped import resolve
+
+    model = load(resolve(init), target, inference=False).float().train()
+    c = model.cfg
+    checks = [("dspark", c.dspark, asked.dspark), ("block_size", c.block_size, asked.block_size)]
+    checks += [("markov_rank", c.markov_rank, asked.markov_rank)] if c.dspark and asked.dspark else []
+    checks += [("num_layers", c.num_layers, asked.num_layers)] if layers_given else []
+    bad = [f"{name} {have} (this run asks for {want})" for name, have, want in checks if have != want]
+    if bad:
+        raise ValueError(f"--init {init}: the drafter has {', '.join(bad)}; train {'dspark' if c.dspark else 'dflash'}"
+                         " with its shape, or start afresh")
+    model.selector = None
+    return model
 
 
 def run(args, method: str) -> dict:
@@ -296,11 +318,13 @@ def run(args, method: str) -> dict:
     layers = args.layers or (1 if args.quick else 3)
     extra = {"markov_rank": args.markov_rank} if method == "dspark" else {}
     cfg = DFlashConfig.for_target(t, num_layers=layers, block_size=args.block_size, dspark=method == "dspark", **extra)
+    init = None if args.init is None else initial_drafter(args.init, target, cfg, args.layers is not None)
+    cfg = cfg if init is None else init.cfg
     missing = sorted(set(cfg.feature_layers) - set(meta.get("layers", [])))
     if missing:
         raise ValueError(f"{args.data} has no hidden states for layers {missing} (needed: {list(cfg.feature_layers)}); "
                          f"regenerate it with `verispec train data --layers` including them")
-    model = DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32)).to(dist.device)
+    model = (init or DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32))).to(dist.device)
     del target
     steps = args.steps or (30 if args.quick else (None if args.max_minutes else 2000))
     tc = TrainConfig(steps=steps, max_minutes=args.max_minutes, lr=args.lr, anchors_per_seq=args.anchors,
@@ -311,7 +335,7 @@ def run(args, method: str) -> dict:
                      usable=lambda r: has_anchors(r.length, r.prompt_len))
     task = BlockTask(model, data.train, data.held, tc)
     fingerprint = {"method": method, "data": str(Path(args.data).resolve()), "sequences": meta.get("num_sequences"),
-                   "drafter": repr(cfg)}
+                   "drafter": repr(cfg), "init": args.init}
     log = train_loop(task, tc.loop(), dist, args.out, fingerprint, resume=not args.no_resume)
     log.update(train_sequences=data.train_total, heldout_sequences=data.held_total)
     if cfg.dspark:
