@@ -55,6 +55,7 @@ def test_report_files_state_the_conditions_and_hold_the_plots(report, tmp_path):
     md = paths["md"].read_text()
     for cond in ("concurrency", "metric", "baseline"):
         assert f"**{cond}**" in md
+    assert "machine load over the" in md and "of the" in md  # how much of the CPUs others took while it ran
     page = paths["html"].read_text()
     assert page.count("data:image/png;base64,") == len(rep.figures) and "<table>" in page
     raw = json.loads(paths["json"].read_text())

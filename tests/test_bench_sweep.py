@@ -248,6 +248,7 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     # the report says which weight path the server ran, read from its /metrics (the tiny target runs fp32)
     engine_notes = [n for n in rep["notes"] if n.startswith("Engine ")]
     assert len(engine_notes) == 1 and "weight path fp32 (dtype float32" in engine_notes[0], rep["notes"]
+    assert any(n.startswith("machine load over the") for n in rep["notes"]), rep["notes"]
 
 
 # ---- a server that never answers ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from verispec.bench.load import MachineLoad
 from verispec.bench.report import Report, Table, median, write_report
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import common_prefix_fraction, compare_greedy
@@ -92,6 +93,7 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     records: list[dict[str, Any]] = []
     total = sum(len(p) for p in sets.values()) * repeats * len(engines)
     bar = tqdm(total=total, desc="bench single", disable=not progress, file=sys.stderr)
+    load = MachineLoad().start()
     for wl, prompts in sets.items():
         for r in range(repeats):
             for e in engines.values():  # a repeat must not find its own earlier output in the suffix cache
@@ -122,7 +124,10 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
                         "divergence": None if div is None else str(div),
                         "common_prefix_pct": 100 * common_prefix_fraction(plain.token_ids, out.token_ids),
                     })
+    load.stop()
     bar.close()
+    if load.share is not None and load.share.disturbed:
+        print(f"verispec bench single: {load.describe()}", file=sys.stderr)
     mem = {}
     first = next(iter(sets.values()))[0]
     ids = base.tokenizer(base.apply_chat_template(list(first.messages)), add_special_tokens=False)["input_ids"]
@@ -133,8 +138,10 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     plain_traced = mem["none"]
     mem = {n: (b - plain_traced if engines[n].drafters.draft_model is None else b) for n, b in mem.items()}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return build_report(records, engines, mem, rss, path=base.path_choice, model=model, repeats=repeats,
-                        limit=limit)
+    rep = build_report(records, engines, mem, rss, path=base.path_choice, model=model, repeats=repeats,
+                       limit=limit)
+    rep.notes.append(load.describe())
+    return rep
 
 
 def build_report(records, engines, mem, rss, *, path, model, repeats, limit) -> Report:

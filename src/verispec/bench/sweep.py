@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from verispec.bench.load import MachineLoad
 from verispec.bench.report import write_report
 from verispec.bench.sweep_report import build_report, mark_identity, summarize
 from verispec.bench.sweep_types import Level, LevelResult
@@ -318,6 +319,7 @@ async def _sweep(args: argparse.Namespace) -> int:
             say(f"{c.label}: {c.base}, model {model!r}, token counts from {caps.token_source}"
                 + (f" ({caps.note})" if caps.note else ""))
         results: dict[str, list[LevelResult]] = {c.label: [] for c in clients}
+        load = MachineLoad().start()
         for rep in range(args.repeats):
             for j, level in enumerate(levels):
                 order = clients if (j + rep) % 2 == 0 else clients[::-1]
@@ -331,6 +333,7 @@ async def _sweep(args: argparse.Namespace) -> int:
                     say(f"{c.label} {level.name}: {row['completed']}/{row['sent']} ok, {row['req_per_s']:.2f} req/s, "
                         f"{row['out_tok_per_s']:.1f} tok/s, P50 TPOT {row['tpot_p50_ms']:.1f} ms, "
                         f"tau {row['tau']:.2f}, errors {row['errors_by_class']}")
+        load.stop()
     finally:
         for c in clients:
             await c.aclose()
@@ -340,6 +343,7 @@ async def _sweep(args: argparse.Namespace) -> int:
         mark_identity(rs, ref, results[base_label] if base_label and label != base_label else ())
     out = Path(args.out) if args.out else Path("reports") / time.strftime("sweep-%Y%m%d-%H%M%S")
     rep = build_report(args, levels, ref, clients, results, pool)
+    rep.notes.append(load.describe("a server under test on this machine counts here"))
     paths = write_report(rep, out)
     say(f"report: {paths['md']} (also {paths['html'].name}, {paths['json'].name}, {paths['csv'].name}, PNGs)")
     completed = sum(r.ok for rs in results.values() for res in rs for r in res.records)
