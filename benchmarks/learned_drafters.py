@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 
 from verispec import LLM, SamplingParams
+from verispec.bench.load import MachineLoad
 from verispec.bench.single import method_spec
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import compare_greedy
@@ -85,6 +86,7 @@ def main() -> None:
         if args.scheduler != "static":
             _ = e.costs
     records = []
+    load = MachineLoad().start()
     for wl in args.workloads.split(","):
         for i, wp in enumerate(load_workload(wl, limit=args.limit)):
             ids = base.tokenizer(base.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
@@ -103,12 +105,13 @@ def main() -> None:
                                 "divergence": None if div is None else str(div)})
             print(" ".join(f"{r['method']}:tau={r['tau']:.2f},x{r['ratio']:.2f},{'=' if r['identical'] else '!'}"
                            for r in records[-len(got):]), wp.id, flush=True, file=sys.stderr)
+    load.stop()
     print(file=sys.stderr)
     by = defaultdict(list)
     for r in records:
         by[(r["workload"], r["method"])].append(r)
     print(f"dtype {args.dtype}, K = {args.k}, scheduler {args.scheduler}, {args.limit} prompts per workload, "
-          f"max {args.max_tokens} tokens, greedy")
+          f"max {args.max_tokens} tokens, greedy; {load.describe()}")
     print("| workload | method | tau (mean) | tok/s (median) | speedup vs plain, median (min..max) | identical |")
     print("|---|---|---|---|---|---|")
     for (wl, n), rs in by.items():

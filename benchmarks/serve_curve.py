@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 
 from verispec import LLM, SamplingParams
+from verispec.bench.load import MachineLoad
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import compare_greedy
 
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     llm._set_speculation(spec)
     _ = llm.costs  # the step-cost table for the largest batch, reused by every level
     results: dict = defaultdict(lambda: defaultdict(list))
+    load = MachineLoad().start()
     for conc in levels:
         pool = prompt_pool(llm, max(4, conc * args.per_slot), args.max_tokens)
         run_level(llm, None, "static", conc, pool[: min(conc, 4)])  # warm-up at this batch shape
@@ -88,8 +90,10 @@ def main(argv=None) -> int:
             print(f"C={conc} repeat {r}: " + ", ".join(f"{n} {got[n]['tok_per_s']:.1f}" for n, _, _ in arms),
                   file=sys.stderr, flush=True)
 
+    load.stop()
     print(f"\n## Serving curve: {args.model}, {args.dtype}, {args.drafter} drafter, K={args.num_speculative_tokens}, "
-          f"greedy, {args.max_tokens} max tokens, shipped workloads mixed, {args.repeats} repeat(s)\n")
+          f"greedy, {args.max_tokens} max tokens, shipped workloads mixed, {args.repeats} repeat(s)\n\n"
+          f"{load.describe()}\n")
     print("| concurrency | " + " | ".join(f"{n} tok/s" for n, _, _ in arms) + " | "
           + " | ".join(f"{n} / off" for n, _, _ in arms[1:]) + " | tau (" + ", ".join(n for n, _, _ in arms[1:])
           + ") | identical to off |")

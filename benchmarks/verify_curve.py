@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from verispec.bench.load import MachineLoad
 from verispec.config import ModelConfig
 from verispec.execution.autotune import resolve_path
 from verispec.execution.invariance import linears_row_invariant
@@ -64,6 +65,7 @@ def main() -> None:
         caches[name] = (cache, slot)
     times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in MS} for n in models}
     names = list(models)
+    load = MachineLoad().start()
     for r in range(args.repeats + 1):  # round 0 warms up
         for m in MS:
             order = names[r % len(names):] + names[: r % len(names)]
@@ -71,6 +73,8 @@ def main() -> None:
                 ms = forward_ms(models[n], *caches[n], ids, args.context, m)
                 if r:
                     times[n][m].append(ms)
+    load.stop()
+    print(load.describe())
     med = {n: {m: statistics.median(v) for m, v in t.items()} for n, t in times.items()}
     plain = resolve_path("auto", None, "cpu", cfg, int4, 0, cache=hub.cache_dir())
     spec = resolve_path("auto", None, "cpu", cfg, int4, 8, cache=hub.cache_dir())
