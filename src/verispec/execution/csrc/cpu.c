@@ -318,19 +318,19 @@ static inline float dot8(const float *a, const float *b, int64_t n) {
     return hsum8(l);
 }
 
-/* scores of M rows against one batch's keys into s [M, L]: the portable body */
+/* scores of M rows against one batch's L keys into s [M, ls] (row stride ls >= L): the portable body */
 static void scores_ref(const float *q, int64_t qm, const float *k, int64_t kl, const float *br, int64_t bm,
-                       int64_t M, int64_t L, int64_t hd, float scale, float *s) {
+                       int64_t M, int64_t L, int64_t hd, float scale, float *s, int64_t ls) {
     for (int64_t l = 0; l < L; l++)
         for (int64_t m = 0; m < M; m++) {
             float v = dot8(q + m * qm, k + l * kl, hd) * scale;
-            s[m * L + l] = br ? v + br[m * bm + l] : v;
+            s[m * ls + l] = br ? v + br[m * bm + l] : v;
         }
 }
 
 #ifdef VS_AVX2
 static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, const float *br, int64_t bm,
-                        int64_t M, int64_t L, int64_t hd, float scale, float *s) {
+                        int64_t M, int64_t L, int64_t hd, float scale, float *s, int64_t ls) {
     int64_t l = 0;
     for (; l + 4 <= L; l += 4) { /* four keys at once: four independent fma chains, each in dot8's order */
         const float *k0 = k + l * kl, *k1 = k0 + kl, *k2 = k1 + kl, *k3 = k2 + kl;
@@ -346,7 +346,7 @@ static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, 
             }
             const float *bias_m = br ? br + m * bm + l : NULL;
             const float v[4] = {hsum8v(a0) * scale, hsum8v(a1) * scale, hsum8v(a2) * scale, hsum8v(a3) * scale};
-            for (int j = 0; j < 4; j++) s[m * L + l + j] = bias_m ? v[j] + bias_m[j] : v[j];
+            for (int j = 0; j < 4; j++) s[m * ls + l + j] = bias_m ? v[j] + bias_m[j] : v[j];
         }
     }
     for (; l < L; l++) {
@@ -356,7 +356,7 @@ static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, 
             __m256 acc = _mm256_setzero_ps();
             for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
             const float v = hsum8v(acc) * scale;
-            s[m * L + l] = br ? v + br[m * bm + l] : v;
+            s[m * ls + l] = br ? v + br[m * bm + l] : v;
         }
     }
 }
@@ -427,10 +427,10 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
         float *inv = s + M * L;
         const float *qb_ = q + b * qb, *kb_ = k + b * kb, *vb_ = v + b * vb, *br = bias ? bias + b * bb : NULL;
 #ifdef VS_AVX2
-        if (vec) scores_avx2(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s);
+        if (vec) scores_avx2(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s, L);
         else
 #endif
-            scores_ref(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s);
+            scores_ref(qb_, qm, kb_, kl, br, bm, M, L, hd, scale, s, L);
         for (int64_t m = 0; m < M; m++) inv[m] = softmax_row(s + m * L, L, vec);
         float *o = out + b * M * hd;
         for (int64_t i = 0; i < M * hd; i++) o[i] = 0.0f;
@@ -589,39 +589,47 @@ static inline int64_t phys(const vs_rows *R, int64_t r, int64_t j) {
     return (int64_t)R->tables[R->toff[r] + j / R->bs] * R->bs + j % R->bs;
 }
 
-/* one query head's attention: q [hd] against row r's keys lo .. hi - 1 and hi + (bits of anc) of kv head h;
- * s: scratch of their count */
-static void attend_row(const vs_rows *R, int64_t r, int64_t h, const float *q, int64_t lo, int64_t hi, uint64_t anc,
-                       int64_t hd, float scale, float *s, float *out, int vec) {
-    const int64_t head = R->base[r] + h * R->hstride;
+/* g query heads' attention (q, out: [g, hd], one kv head's group or part of it): each head against row r's keys
+ * lo .. hi - 1 and hi + (bits of anc) of kv head h; s: scratch [g, count]. The keys and values are read once for the
+ * g heads; each head's scores, softmax and sum are computed as for that head alone (the same bits) */
+static void attend_heads(const vs_rows *R, int64_t r, int64_t h, const float *q, int64_t g, int64_t lo, int64_t hi,
+                         uint64_t anc, int64_t hd, float scale, float *s, float *out, int vec) {
+    const int64_t head = R->base[r] + h * R->hstride, ls = hi - lo + __builtin_popcountll(anc);
     int64_t L = hi - lo;
     for (int64_t j = lo; j < hi;) { /* runs of consecutive positions: one block each */
         const int64_t end = (j / R->bs + 1) * R->bs < hi ? (j / R->bs + 1) * R->bs : hi;
         const float *kp = R->k + head + phys(R, r, j) * hd;
 #ifdef VS_AVX2
-        if (vec) scores_avx2(q, 0, kp, hd, NULL, 0, 1, end - j, hd, scale, s + (j - lo));
+        if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, end - j, hd, scale, s + (j - lo), ls);
         else
 #endif
-            scores_ref(q, 0, kp, hd, NULL, 0, 1, end - j, hd, scale, s + (j - lo));
+            scores_ref(q, hd, kp, hd, NULL, 0, g, end - j, hd, scale, s + (j - lo), ls);
         j = end;
     }
     for (uint64_t m = anc; m; m &= m - 1, L++) { /* a tree node's ancestors and itself */
         const float *kp = R->k + head + phys(R, r, hi + __builtin_ctzll(m)) * hd;
 #ifdef VS_AVX2
-        if (vec) scores_avx2(q, 0, kp, hd, NULL, 0, 1, 1, hd, scale, s + L);
+        if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, 1, hd, scale, s + L, ls);
         else
 #endif
-            scores_ref(q, 0, kp, hd, NULL, 0, 1, 1, hd, scale, s + L);
+            scores_ref(q, hd, kp, hd, NULL, 0, g, 1, hd, scale, s + L, ls);
     }
-    const float inv = softmax_row(s, L, vec);
-    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+    float inv[64];
+    for (int64_t a = 0; a < g; a++) inv[a] = softmax_row(s + a * ls, L, vec);
+    for (int64_t i = 0; i < g * hd; i++) out[i] = 0.0f;
     for (int64_t j = lo; j < hi; j++) {
-        const float p = s[j - lo];
-        if (p != 0.0f) axpy(out, R->v + head + phys(R, r, j) * hd, p * inv, hd, vec);
+        const float *vp = R->v + head + phys(R, r, j) * hd;
+        for (int64_t a = 0; a < g; a++) {
+            const float p = s[a * ls + j - lo];
+            if (p != 0.0f) axpy(out + a * hd, vp, p * inv[a], hd, vec);
+        }
     }
     int64_t i = hi - lo;
-    for (uint64_t m = anc; m; m &= m - 1, i++)
-        if (s[i] != 0.0f) axpy(out, R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd, s[i] * inv, hd, vec);
+    for (uint64_t m = anc; m; m &= m - 1, i++) {
+        const float *vp = R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd;
+        for (int64_t a = 0; a < g; a++)
+            if (s[a * ls + i] != 0.0f) axpy(out + a * hd, vp, s[a * ls + i] * inv[a], hd, vec);
+    }
 }
 
 /* the attention of N rows' H heads (G = H / KH per kv head) from qkv [N, (H + 2 KH) hd] into att [N, H hd] */
@@ -639,17 +647,20 @@ static int attend_rows(const vs_rows *R, const float *qkv, int64_t N, int64_t H,
 #else
     const int vec = 0;
 #endif
+    /* a task: g query heads sharing a kv head (its whole group where there are enough tasks for the threads,
+     * else one head each); the same bits either way */
+    const int64_t g = G <= 64 && N * KH >= 2 * nthreads ? G : 1, T = N * H / g;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (work * H * hd > (1 << 17))
     {
-        float *s = malloc((size_t)most * sizeof(float));
+        float *s = malloc((size_t)(most * g) * sizeof(float));
         if (!s) failed = 1;
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < N * H; i++) {
+        for (int64_t i = 0; i < T; i++) {
             if (!s) continue;
-            const int64_t r = i / H, a = i % H;
-            attend_row(R, r, a / G, qkv + r * W + a * hd, row_lo(R, r, window), R->hi[r], R->anc[r], hd, scale, s,
-                       att + (r * H + a) * hd, vec);
+            const int64_t r = i / (H / g), a = i % (H / g) * g; /* row, first query head */
+            attend_heads(R, r, a / G, qkv + r * W + a * hd, g, row_lo(R, r, window), R->hi[r], R->anc[r], hd, scale,
+                         s, att + (r * H + a) * hd, vec);
         }
         free(s);
     }
