@@ -624,9 +624,9 @@ def test_a_q8_0_drafter_drafts_like_the_float_one_and_stays_lossless(trained, ti
               max_num_batched_tokens=8, scheduler="static", progress=False, speculative_config=spec)
     llm.model.decoder_kernel, llm.model.head_weight = object(), Q8ActWeight.from_float(llm.model.output_weight())
     q = load(tmp_path / "ck", llm.model)  # beside a target on the kernel: rounded, logits through its head
-    assert q.quantized and q.head is llm.model.head_weight
+    assert q.quantized and q.parts.out_head is llm.model.head_weight
     llm.model.decoder_kernel, llm.model.head_weight = None, None
-    llm.drafters.learned.quantize_q8act(q.head)
+    llm.drafters.learned.quantize_q8act(q.parts.out_head)
     prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 3, use_tqdm=False)

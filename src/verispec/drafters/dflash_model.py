@@ -88,6 +88,7 @@ class TargetParts:
     out_weight: torch.Tensor  # [V, d]
     rope_cos: torch.Tensor  # [max_len, head_dim] float32
     rope_sin: torch.Tensor  # [max_len, head_dim] float32 (signed, see models/rope.py)
+    out_head: nn.Module | None = None  # the target's own output head on the q8act kernel (`quantize_q8act`)
 
     @classmethod
     def of(cls, target, dtype: torch.dtype | None = None) -> "TargetParts":
@@ -168,7 +169,6 @@ class DFlashModel(nn.Module):
         self.mask_embedding = nn.Parameter(parts.embed.float().mean(0).to(parts.embed.dtype).clone())  # [d]
         self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank) if cfg.dspark else None
         self.selector = None  # DFlash 2's path selector (drafters/path_selector.py), stored in files of its own
-        self.head: nn.Module | None = None  # the target's own output head where it runs on the q8act kernel
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith("markov."):
                 nn.init.normal_(p, std=0.02)
@@ -188,16 +188,15 @@ class DFlashModel(nn.Module):
         per 32, and the logits through `head`, the target's own Q8_0 output head on the same kernel (the GGUF's
         blocks of the matrix the float path reads). A block forward then reads about a quarter of the float32
         bytes; drafts change a little, verification keeps the output exact. Not for training or export."""
-        from verispec.execution.q8act import Q8ActWeight
+        from verispec.execution.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.weight.device.type == "cpu", "the q8act kernel is CPU fp32"
-        self.fc = Q8ActWeight.from_float(self.fc.weight)
+        round_linears(self, ("fc",))
         for layer in self.layers:
-            for name in LAYER_LINEARS:
-                setattr(layer, name, Q8ActWeight.from_float(getattr(layer, name).weight))
+            round_linears(layer, LAYER_LINEARS)
         if self.markov is not None and self.cfg.markov_rank % 32 == 0:  # Q8_0 blocks are 32 wide
-            self.markov.w2 = Q8ActWeight.from_float(self.markov.w2.weight)
-        self.head = head
+            round_linears(self.markov, ("w2",))
+        self.parts = replace(self.parts, out_head=head)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -232,8 +231,8 @@ class DFlashModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [..., d] -> U: [..., V] float32 through the target's output matrix."""
-        if self.head is not None:
-            return self.head(h.reshape(-1, h.shape[-1]).float()).view(*h.shape[:-1], -1)
+        if self.parts.out_head is not None:
+            return self.parts.out_head(h)  # float32: `quantize_q8act` runs on float32 drafters only
         return F.linear(h, self.parts.out_weight.to(h.dtype)).float()
 
     def forward_train(self, feats: torch.Tensor, ctx_pos: torch.Tensor, ctx_seq: torch.Tensor, anchors: torch.Tensor,

@@ -34,8 +34,7 @@ class MarkovHead(nn.Module):
 
     def bias(self, prev: torch.Tensor) -> torch.Tensor:
         """prev: [...] token ids x_{k-1} -> B_k: [..., V] in the head's dtype."""
-        e = self.w1(prev)  # [..., r]
-        return self.w2(e.reshape(-1, e.shape[-1])).view(*e.shape[:-1], -1)
+        return self.w2(self.w1(prev))
 
     def conf_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h: [..., d] block hidden states at positions k, prev: [...] x_{k-1} -> raw confidence logits [...]."""

@@ -108,11 +108,10 @@ class Eagle3Head(nn.Module):
         """Inference on verispec's CPU kernel: every linear rounded to Q8_0 blocks (gguf's quantizer), int8
         activations per 32, as the gguf-q8act target runs. A draft token then reads about a quarter of the
         float32 weight bytes; drafts change a little, verification keeps the output exact. Not for training."""
-        from verispec.execution.q8act import Q8ActWeight
+        from verispec.execution.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.device.type == "cpu", "the q8act kernel is CPU float32"
-        for name in LINEARS:
-            setattr(self, name, Q8ActWeight.from_float(getattr(self, name).weight))
+        round_linears(self, LINEARS)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # the target's table is frozen: detached, so training the head sends no gradient into it

@@ -114,7 +114,18 @@ class Q8ActWeight(nn.Module):
         load().linear(self.tiles, self.kind, self.n, self.k, x, out, reference, norm, eps, residual, swiglu)
         return out
 
-    forward = matmul
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """As nn.Linear: x [..., K] -> [..., N] (leading dimensions flattened into rows of `matmul`)."""
+        if x.dim() == 2:
+            return self.matmul(x)
+        return self.matmul(x.reshape(-1, self.k)).view(*x.shape[:-1], self.n)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, kind={self.kind}, int8 activations per {BLOCK}"
+
+
+def round_linears(module: nn.Module, names: Sequence[str]) -> None:
+    """Replace each named bias-free nn.Linear of `module` by its weight rounded to Q8_0 (`Q8ActWeight.from_float`):
+    a float drafter set up to run beside a gguf-q8act target on the same kernel."""
+    for name in names:
+        setattr(module, name, Q8ActWeight.from_float(getattr(module, name).weight))

@@ -324,7 +324,8 @@ def run(args, method: str) -> dict:
     if missing:
         raise ValueError(f"{args.data} has no hidden states for layers {missing} (needed: {list(cfg.feature_layers)}); "
                          f"regenerate it with `verispec train data --layers` including them")
-    model = (init or DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32))).to(dist.device)
+    model = DFlashModel(cfg, TargetParts.of(target, dtype=torch.float32)) if init is None else init
+    model = model.to(dist.device)
     del target
     steps = args.steps or (30 if args.quick else (None if args.max_minutes else 2000))
     tc = TrainConfig(steps=steps, max_minutes=args.max_minutes, lr=args.lr, anchors_per_seq=args.anchors,

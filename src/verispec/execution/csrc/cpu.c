@@ -475,40 +475,33 @@ int vs_has_avx2(void) {
 #endif
 }
 
-/* rows of x [M, K] (float32, or bfloat16 when x_bf16) RMS-normalised and scaled: out = (x * r) * w with
+/* one row x [K] (float32, or bfloat16 when x_bf16) RMS-normalised and scaled: out = (x * r) * w with
  * r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes (element j in lane j % 8, fma in order, hsum8) */
-static void rms_norm_rows(const void *x, int x_bf16, int64_t M, int64_t K, const float *w, float eps, float *out) {
-    for (int64_t r = 0; r < M; r++) {
-        float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        float *o = out + r * K;
-        for (int64_t j = 0; j < K; j++) {
-            const int64_t i = r * K + j;
-            o[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-            l[j & 7] = fmaf(o[j], o[j], l[j & 7]);
-        }
-        const float inv = 1.0f / sqrtf(hsum8(l) / (float)K + eps);
-        for (int64_t j = 0; j < K; j++) o[j] = (o[j] * inv) * w[j];
+static void rms_norm_row(const void *x, int x_bf16, int64_t K, const float *w, float eps, float *out) {
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < K; j++) {
+        out[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+        l[j & 7] = fmaf(out[j], out[j], l[j & 7]);
     }
+    const float inv = 1.0f / sqrtf(hsum8(l) / (float)K + eps);
+    for (int64_t j = 0; j < K; j++) out[j] = (out[j] * inv) * w[j];
 }
 
-/* SwiGLU of rows x [M, 2K] (gate | up, float32) -> out [M, K]: silu(g) * u with silu(g) = g / (1 + exp(-g)) */
-static void swiglu_rows(const float *x, int64_t M, int64_t K, float *out, int ref) {
-    for (int64_t r = 0; r < M; r++) {
-        const float *g = x + r * 2 * K, *u = g + K;
-        float *o = out + r * K;
-        int64_t j = 0;
+/* SwiGLU of one row x [2K] (gate | up, float32) -> out [K]: silu(g) * u with silu(g) = g / (1 + exp(-g)) */
+static void swiglu_row(const float *x, int64_t K, float *out, int ref) {
+    const float *g = x, *u = x + K;
+    int64_t j = 0;
 #ifdef VS_AVX2
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; !ref && j + 8 <= K; j += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + j);
-            const __m256 e = vexp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
-        }
-#else
-        (void)ref;
-#endif
-        for (; j < K; j++) o[j] = (g[j] / (1.0f + vexp(-g[j]))) * u[j];
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; !ref && j + 8 <= K; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = vexp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
     }
+#else
+    (void)ref;
+#endif
+    for (; j < K; j++) out[j] = (g[j] / (1.0f + vexp(-g[j]))) * u[j];
 }
 
 /* out [M, N] = x' [M, K] times the weight's transpose (+ residual). w: the x8 tiles of an [N, K] weight of `kind`
@@ -531,13 +524,11 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
     /* each row alone (normed or SwiGLU'd, then quantised), so the rows may go to threads: the same values */
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
-        if (norm_w || act) {
-            if (norm_w) rms_norm_rows((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, 1, K, norm_w, eps, xn + r * K);
-            else swiglu_rows((const float *)x + r * 2 * K, 1, K, xn + r * K, use_ref);
-            quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb);
-        } else {
-            quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, q + r * K, s + r * nb, ss + r * nb);
-        }
+        const void *xr = (const char *)x + r * K * (x_bf16 ? 2 : 4) * (act ? 2 : 1); /* act: rows of 2K */
+        if (norm_w) rms_norm_row(xr, x_bf16, K, norm_w, eps, xn + r * K);
+        else if (act) swiglu_row((const float *)xr, K, xn + r * K, use_ref);
+        if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb);
+        else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb);
     }
     const qrows rows = {q, s, ss};
 #ifdef VS_AVX2
