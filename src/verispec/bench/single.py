@@ -78,6 +78,21 @@ def method_engines(base, methods, k: int) -> dict[str, Any]:
     return engines
 
 
+def drafter_memory(base, engines: dict[str, Any], first, max_tokens: int) -> dict[str, int]:
+    """Each method's own bytes, in an untimed pass over the workload prompt `first`: a draft model's weights and KV,
+    else the Python heap a request traces beyond plain decoding's."""
+    from verispec import SamplingParams
+
+    ids = base.tokenizer(base.apply_chat_template(list(first.messages)), add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=min(first.max_tokens, max_tokens))
+    mem = {}
+    for name, e in engines.items():
+        e.drafters.reset_shared()
+        mem[name] = traced_peak(e, ids, params) if e.drafters.draft_model is None else drafter_bytes(e)
+    plain_traced = mem["none"]
+    return {n: (b - plain_traced if engines[n].drafters.draft_model is None else b) for n, b in mem.items()}
+
+
 def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
                device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None,
@@ -128,15 +143,7 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     bar.close()
     if load.share is not None and load.share.disturbed:
         print(f"verispec bench single: {load.describe()}", file=sys.stderr)
-    mem = {}
-    first = next(iter(sets.values()))[0]
-    ids = base.tokenizer(base.apply_chat_template(list(first.messages)), add_special_tokens=False)["input_ids"]
-    for name, e in engines.items():  # untimed memory pass
-        e.drafters.reset_shared()
-        traced = traced_peak(e, ids, SamplingParams(temperature=0, max_tokens=min(first.max_tokens, max_tokens)))
-        mem[name] = traced if e.drafters.draft_model is None else drafter_bytes(e)
-    plain_traced = mem["none"]
-    mem = {n: (b - plain_traced if engines[n].drafters.draft_model is None else b) for n, b in mem.items()}
+    mem = drafter_memory(base, engines, next(iter(sets.values()))[0], max_tokens)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rep = build_report(records, engines, mem, rss, path=base.path_choice, model=model, repeats=repeats,
                        limit=limit)
