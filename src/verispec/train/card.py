@@ -69,3 +69,37 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
     out = d / "README.md"
     out.write_text("\n".join(lines))
     return out
+
+
+CURVE_HEADING = "## Learning curve"
+CURVE_PNG = "learning_curve.png"
+
+
+def add_curve_section(directory: str | Path, method: str, *, target: float | None = None, offset: float = 0.0,
+                      data_tokens: float | None = None, note: str | None = None) -> str:
+    """Fit the run's held-out curve (train/curve.py), draw it next to the checkpoint and put its extrapolation into
+    the card, replacing an earlier learning-curve section (before "## Notes" where the card has one). Returns the
+    section's sentence. data_tokens: the training data's response tokens (default: read from the data directory
+    named in the log, when it is there)."""
+    from verispec.train.curve import extrapolate, plot_curve
+
+    d = Path(directory)
+    log = json.loads((d / "train_log.json").read_text())
+    if data_tokens is None and log.get("data") and (Path(log["data"]) / "meta.json").exists():
+        data_tokens = read_meta(log["data"])["response_tokens"]
+    ex = extrapolate(log, method, target, offset, data_tokens)
+    plot_curve(log, method, ex, d / CURVE_PNG, offset)
+    section = [CURVE_HEADING, "", f"![learning curve]({CURVE_PNG})", "", ex.sentence()]
+    if note:
+        section += ["", note]
+    card = d / "README.md"
+    text = card.read_text() if card.exists() else ""
+    if CURVE_HEADING in text:  # replace up to the next section
+        head, rest = text.split(CURVE_HEADING, 1)
+        nxt = rest.find("\n## ")
+        text = head.rstrip("\n") + "\n\n" + (rest[nxt + 1:] if nxt >= 0 else "")
+    block = "\n".join(section) + "\n\n"
+    i = text.find("## Notes")
+    text = text[:i] + block + text[i:] if i >= 0 else text.rstrip("\n") + "\n\n" + block
+    card.write_text(text)
+    return ex.sentence()

@@ -1,10 +1,11 @@
-"""`verispec train data | merge-data | eagle3 | dflash | dspark | selector | export-eagle3 | export-dflash`."""
+"""`verispec train data | merge-data | eagle3 | dflash | dspark | selector | curve | export-eagle3 | export-dflash`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+from pathlib import Path
 
 
 def add_train_parser(sub) -> None:
@@ -44,6 +45,17 @@ def add_train_parser(sub) -> None:
     f.add_argument("--mask-token-id", type=int, default=None, help="the id at mask positions (default: the "
                    "target's EOS; its row carries the learned mask vector)")
     f.add_argument("--dtype", default="bfloat16")
+    c = tsub.add_parser("curve", help="fit a trained drafter's held-out learning curve, draw it and write what its "
+                        "target would take (extrapolated) into its model card")
+    c.add_argument("checkpoint", help="directory written by `verispec train eagle3 | dflash | dspark`")
+    c.add_argument("--method", default=None, choices=["eagle3", "dflash", "dspark"], help="default: the log's")
+    c.add_argument("--target", type=float, default=None, help="tau to reach (default: eagle3 2.5, dflash 3.0, "
+                   "dspark 3.3)")
+    c.add_argument("--offset", type=float, default=0.0, help="positions trained before this run (an --init "
+                   "drafter's earlier training), added to the run's own")
+    c.add_argument("--data-tokens", type=float, default=None, help="response tokens of the training data (default: "
+                   "read from the data directory in the log)")
+    c.add_argument("--note", default=None, help="a sentence added under the curve")
     x = tsub.add_parser("export-eagle3", help="write a trained EAGLE-3 head in the layout vLLM and SGLang load")
     x.add_argument("checkpoint", help="directory written by `verispec train eagle3` (or a shipped drafter's name)")
     x.add_argument("out", help="directory for the export")
@@ -69,6 +81,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         meta = merge_parts(args.out, args.parts)
         print(f"{args.out}: {len(meta['shards'])} shards, {meta['num_sequences']} sequences, "
               f"{meta['response_tokens']} response tokens")
+        return 0
+    if c == "curve":
+        from verispec.train.card import add_curve_section
+
+        method = args.method or json.loads((Path(args.checkpoint) / "train_log.json").read_text()).get("method")
+        if method not in ("eagle3", "dflash", "dspark"):
+            raise SystemExit(f"verispec: error: {args.checkpoint}: name the drafter's --method (the log says {method!r})")
+        print(add_curve_section(args.checkpoint, method, target=args.target, offset=args.offset,
+                                data_tokens=args.data_tokens, note=args.note))
         return 0
     if c == "export-dflash":
         from verispec.drafters.dflash import load
