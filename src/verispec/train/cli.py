@@ -66,73 +66,87 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="the target's dtype during training")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    c = args.train_command
-    if c == "data":
-        from verispec.train import data
+def _data(args: argparse.Namespace) -> None:
+    from verispec.train import data
 
-        meta = data.run(args)
-        print(json.dumps({k: meta[k] for k in ("num_sequences", "tokens", "response_tokens", "generate_s",
-                                               "capture_s", "prompts_too_long")}, indent=1))
-        return 0
-    if c == "merge-data":
-        from verispec.train.data import merge_parts
+    meta = data.run(args)
+    print(json.dumps({k: meta[k] for k in ("num_sequences", "tokens", "response_tokens", "generate_s", "capture_s",
+                                           "prompts_too_long")}, indent=1))
 
-        meta = merge_parts(args.out, args.parts)
-        print(f"{args.out}: {len(meta['shards'])} shards, {meta['num_sequences']} sequences, "
-              f"{meta['response_tokens']} response tokens")
-        return 0
-    if c == "curve":
-        from verispec.train.card import add_curve_section
 
-        method = args.method or json.loads((Path(args.checkpoint) / "train_log.json").read_text()).get("method")
-        if method not in ("eagle3", "dflash", "dspark"):
-            raise SystemExit(f"verispec: error: {args.checkpoint}: name the drafter's --method (the log says {method!r})")
-        print(add_curve_section(args.checkpoint, method, target=args.target, offset=args.offset,
-                                data_tokens=args.data_tokens, note=args.note))
-        return 0
-    if c == "export-dflash":
-        from verispec.drafters.dflash import load
-        from verispec.drafters.dflash_export import export
-        from verispec.drafters.shipped import resolve
-        from verispec.models.loader import load_model, parse_dtype
+def _merge_data(args: argparse.Namespace) -> None:
+    from verispec.train.data import merge_parts
 
-        target, _ = load_model(args.model, dtype="float32", device="cpu")
-        drafter = load(resolve(args.checkpoint), target, inference=False)
-        path = export(drafter, target, args.out, args.format, args.mask_token_id, args.verifier or args.model,
-                      parse_dtype(args.dtype))
-        print(f"wrote {path} ({args.format} layout)")
-        return 0
-    if c == "export-eagle3":
-        from verispec.drafters.eagle3_export import export_from_checkpoint
+    meta = merge_parts(args.out, args.parts)
+    print(f"{args.out}: {len(meta['shards'])} shards, {meta['num_sequences']} sequences, "
+          f"{meta['response_tokens']} response tokens")
 
-        path = export_from_checkpoint(args.checkpoint, args.out)
-        print(f"wrote {path}")
-        return 0
-    if c == "selector":
-        from verispec.train import selector
 
-        log = selector.run(args)
-        print(json.dumps({"selector_params": log["selector_params"], "train_anchors": log["train_anchors"],
-                          "heldout_before": log["heldout"][0], "heldout_after": log["heldout"][-1]}, indent=1))
-        return 0
-    if c == "eagle3":
-        from verispec.train import eagle3
+def _curve(args: argparse.Namespace) -> None:
+    from verispec.train.card import add_curve_section
 
-        if args.quick:  # tiny and short: proves data -> training -> checkpoint end to end
-            args.updates = args.updates or 3
-            args.intermediate_size = args.intermediate_size or 64
-            args.draft_vocab = min(args.draft_vocab, 2048)
-            args.ttt_steps = min(args.ttt_steps, 3)
-            args.max_len = min(args.max_len, 256)
-            args.batch = 1
-        info = eagle3.run(args)
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank reports
-            print(json.dumps({k: info[k] for k in ("updates", "wall_s", "heldout_before", "heldout_after")}, indent=1))
-        return 0
+    method = args.method or json.loads((Path(args.checkpoint) / "train_log.json").read_text()).get("method")
+    if method not in ("eagle3", "dflash", "dspark"):
+        raise SystemExit(f"verispec: error: {args.checkpoint}: name the drafter's --method (the log says {method!r})")
+    print(add_curve_section(args.checkpoint, method, target=args.target, offset=args.offset,
+                            data_tokens=args.data_tokens, note=args.note))
+
+
+def _export_dflash(args: argparse.Namespace) -> None:
+    from verispec.drafters.dflash import load
+    from verispec.drafters.dflash_export import export
+    from verispec.drafters.shipped import resolve
+    from verispec.models.loader import load_model, parse_dtype
+
+    target, _ = load_model(args.model, dtype="float32", device="cpu")
+    drafter = load(resolve(args.checkpoint), target, inference=False)
+    path = export(drafter, target, args.out, args.format, args.mask_token_id, args.verifier or args.model,
+                  parse_dtype(args.dtype))
+    print(f"wrote {path} ({args.format} layout)")
+
+
+def _export_eagle3(args: argparse.Namespace) -> None:
+    from verispec.drafters.eagle3_export import export_from_checkpoint
+
+    print(f"wrote {export_from_checkpoint(args.checkpoint, args.out)}")
+
+
+def _selector(args: argparse.Namespace) -> None:
+    from verispec.train import selector
+
+    log = selector.run(args)
+    print(json.dumps({"selector_params": log["selector_params"], "train_anchors": log["train_anchors"],
+                      "heldout_before": log["heldout"][0], "heldout_after": log["heldout"][-1]}, indent=1))
+
+
+def _eagle3(args: argparse.Namespace) -> None:
+    from verispec.train import eagle3
+
+    if args.quick:  # tiny and short: proves data -> training -> checkpoint end to end
+        args.updates = args.updates or 3
+        args.intermediate_size = args.intermediate_size or 64
+        args.draft_vocab = min(args.draft_vocab, 2048)
+        args.ttt_steps = min(args.ttt_steps, 3)
+        args.max_len = min(args.max_len, 256)
+        args.batch = 1
+    info = eagle3.run(args)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank reports
+        print(json.dumps({k: info[k] for k in ("updates", "wall_s", "heldout_before", "heldout_after")}, indent=1))
+
+
+def _block_drafter(args: argparse.Namespace) -> None:
     from verispec.train import dflash
 
-    info = dflash.run(args, c)
+    info = dflash.run(args, args.train_command)
     if isinstance(info, dict) and os.environ.get("RANK", "0") == "0":
         print(json.dumps({k: v for k, v in info.items() if k != "curve"}, indent=1, default=str)[:4000])
+
+
+COMMANDS = {"data": _data, "merge-data": _merge_data, "curve": _curve, "export-dflash": _export_dflash,
+            "export-eagle3": _export_eagle3, "selector": _selector, "eagle3": _eagle3, "dflash": _block_drafter,
+            "dspark": _block_drafter}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    COMMANDS[args.train_command](args)
     return 0
