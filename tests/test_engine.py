@@ -71,6 +71,24 @@ def test_batched_output_equals_hf_single_stream(tiny, references, arch, method, 
     assert all(not s.in_use for s in llm.cache.slots), "a finished request kept its cache slot"
 
 
+def test_dspark_never_drafts_for_a_drafter_without_confidences_where_drafts_do_not_pay(tiny, references, monkeypatch):
+    """A saturated batch (every draft token costs a whole step): dspark drafts nothing for n-gram requests, not even
+    the whole first block it would draft for a drafter that might give confidences, and the output is HF's."""
+    from verispec.drafters.ngram import NgramDrafter
+    from verispec.engine.costs import CostTable, StepCosts
+
+    asked = []
+    propose = NgramDrafter.propose
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, ctx, k: asked.append(k) or propose(self, ctx, k))
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="dspark")
+    llm._costs = StepCosts(CostTable((1, 64), (1.0, 64.0)))  # linear: one more row costs one more step
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == references["llama"]
+    assert asked == [], f"n-gram drafts were asked for where none could be verified: {asked}"
+    assert all(o.stats["num_draft_tokens"] == 0 for o in outs)
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_trees_on_a_sliding_window_model_equal_hf_and_the_state_holds(tiny, references, method, block_size):

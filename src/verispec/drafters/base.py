@@ -8,6 +8,8 @@ its own config.
                           and optional per-position confidences.
   observe(accepted)    -> feedback after verification: how many of the proposed tokens the target accepted.
   release()            -> once, when the request ends: free per-request resources (KV slots).
+A drafter that never gives confidences says so with `gives_confidence = False` (absent: it may give them); the
+`dspark` policy then drafts, from a request's first step on, only what the online estimate would verify.
 Drafters with state of their own (a draft model's KV cache) keep it consistent in observe(), and may offer
   check_own_state(tokens) -> state oracle (`--check-state`): tokens = the committed tokens; recompute the
                           drafter's own state from scratch and raise AssertionError (check.state.StateMismatch)
@@ -64,6 +66,8 @@ EMPTY = Draft(tokens=[])
 
 class Drafter(Protocol):
     name: str
+    # optional: False where propose() never fills Draft.confidence (read with getattr(drafter, ..., True))
+    gives_confidence: bool
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 

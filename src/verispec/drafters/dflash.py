@@ -57,6 +57,7 @@ class DFlashDrafter:
     def __init__(self, model: DFlashModel, params: SamplingParams) -> None:
         self.model, self.params, self.cfg = model, params, model.cfg
         self.name = "dspark" if model.cfg.dspark else "dflash"
+        self.gives_confidence = bool(model.cfg.dspark)  # DSpark's confidence head; DFlash has none
         self.feature_layers = model.cfg.feature_layers
         self.device = model.norm.weight.device
         self.n = 0  # committed positions whose context K/V is cached

@@ -43,6 +43,8 @@ def check_compatible(target: LlamaModel, draft: LlamaModel, target_tok=None, dra
 class DraftModelDrafter:
     """Per request. The draft cache always holds a prefix of the request's tokens: context[:n_cached]."""
 
+    gives_confidence = False  # q but no per-position confidences
+
     name = "draft_model"
 
     def __init__(self, model: LlamaModel, cache: KVCache, params: SamplingParams) -> None:

@@ -208,6 +208,7 @@ class Eagle3Drafter:
     verification the accepted tokens are re-run with the target's real features (EAGLE's standard)."""
 
     name = "eagle3"
+    gives_confidence = False  # q but no per-position confidences
 
     def __init__(self, head: Eagle3Head, params: SamplingParams, max_len: int) -> None:
         c = head.cfg

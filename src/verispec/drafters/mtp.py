@@ -176,6 +176,8 @@ class MTPDrafter:
     """Per request. State: the MTP K/V of every committed position whose pair token is known (rows 0 .. n_kv-1 in
     its cache slot), and the target states of the committed positions not yet run (`waiting`)."""
 
+    gives_confidence = False  # q but no per-position confidences
+
     name = "mtp"
 
     def __init__(self, head: MTPHead, cache: KVCache, params: SamplingParams) -> None:

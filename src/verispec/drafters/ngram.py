@@ -104,6 +104,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    gives_confidence = False
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()

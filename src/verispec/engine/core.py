@@ -432,7 +432,8 @@ class Engine:
             live.clear_draft()
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
-            live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb, tree_now=self.config.draft_tree is True)
+            live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb, tree_now=self.config.draft_tree is True,
+                               confidences=getattr(drafter, "gives_confidence", True))
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore

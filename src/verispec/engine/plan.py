@@ -35,7 +35,8 @@ class LiveRequest:
     generator: "torch.Generator | None"
     on_tokens: TokenCallback | None
     probe: bool = False  # the estimator asked for a short probe this step
-    confidences: bool = True  # its drafter may give per-position confidences (False once a draft came without)
+    confidences: bool = True  # its drafter may give per-position confidences (False: it says it never does, or a
+    # draft came without)
     aborted: bool = False
     # this step's speculation, reset by `clear_draft` at the start of every step
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward
