@@ -6,6 +6,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+import pytest
+
 from verispec.drafters.base import Draft
 from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts, expected_tokens
 from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy
@@ -128,3 +130,13 @@ def test_probes_back_off_while_they_find_nothing():
     est.update(drafted=2, accepted=1, draft_s=0.0)  # this probe matched
     est.update(drafted=4, accepted=0, draft_s=0.0)  # a failed ordinary draft, no probe: the gap stays
     assert next_gap() == 8
+
+
+def test_drafting_time_is_per_proposed_token_verified_or_not():
+    est = AcceptanceEstimator()
+    est.observe_draft(4, 0.008)  # 4 proposed, whatever was verified of them
+    assert est.draft_cost_per_token == pytest.approx(0.002)
+    est.observe_draft(2, 0.008)
+    assert est.draft_cost_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+    est.observe_draft(0, 1.0)  # nothing proposed: nothing learnt
+    assert est.draft_cost_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)

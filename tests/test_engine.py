@@ -89,6 +89,28 @@ def test_dspark_never_drafts_for_a_drafter_without_confidences_where_drafts_do_n
     assert all(o.stats["num_draft_tokens"] == 0 for o in outs)
 
 
+def test_drafts_the_policy_never_verifies_still_teach_the_estimate(tiny, references, monkeypatch):
+    """A drafter whose proposals the policy cuts to nothing every step (as DSpark's own low confidences do) and
+    whose first token is never the target's: the estimate learns that from the committed tokens, so the drafter
+    stops being run every step (it was, on the prior estimate, with nothing ever verified to correct it)."""
+    from verispec.drafters.base import Draft
+    from verispec.drafters.ngram import NgramDrafter
+    from verispec.engine.costs import CostTable, StepCosts
+    from verispec.engine.scheduler import DSparkPolicy
+
+    calls = []
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, ctx, k: calls.append(k) or Draft([59] * k))
+    monkeypatch.setattr(DSparkPolicy, "verify_lengths", lambda self, cands, drafts, base: [0] * len(drafts))
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="dspark")
+    llm._costs = StepCosts(CostTable((1, 64), (1.0, 1.0 + 0.2 * 63)))  # a draft row costs a fifth of a step
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == references["llama"]
+    decode_steps = sum(len(o.token_ids) - 1 for o in outs)
+    assert 59 not in {t for o in outs for t in o.token_ids}, "the test's wrong token was right: pick another"
+    assert 0 < len(calls) <= 0.4 * decode_steps, f"{len(calls)} drafter runs over {decode_steps} decode steps"
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_trees_on_a_sliding_window_model_equal_hf_and_the_state_holds(tiny, references, method, block_size):

@@ -110,7 +110,27 @@ def test_dspark_drafts_no_more_than_the_estimate_would_verify():
     # a due probe is drafted where it would pay, and a drafter with confidences still drafts its whole block
     probing = [Candidate(4, good, confidences=False), Candidate(4, bad, probe=True, confidences=False)]
     assert policy.draft_lengths(probing, 2) == [4, 2]
-    assert DSparkPolicy(linear).draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [4, 0]
+    assert DSparkPolicy(linear).draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [0, 0]
+
+
+def test_dspark_drafts_a_confident_drafters_block_only_where_the_estimate_admits_it():
+    """A drafter with confidences drafts its whole block where the online estimate, drafting time counted, admits
+    any of it (its confidences then decide), a due probe included; nothing where the estimate cannot pay, and
+    nothing where drafting alone costs more than the tokens it could add (a learned drafter on a CPU)."""
+    costs = StepCosts(CostTable((1, 100), (1.0, 1.0 + 0.05 * 99)))
+    good, bad, slow = AcceptanceEstimator(), AcceptanceEstimator(), AcceptanceEstimator()
+    for _ in range(30):
+        good.update(drafted=4, accepted=4)
+        slow.update(drafted=4, accepted=4)
+        bad.update(drafted=4, accepted=0)
+    policy = DSparkPolicy(costs)
+    assert policy.draft_lengths([Candidate(4, good), Candidate(4, bad)], 2) == [4, 0]
+    assert policy.draft_lengths([Candidate(4, bad, probe=True)], 1) == [4]
+    slow.observe_draft(4, 4.0)  # one step's time per drafted token: (1 + 1) / (1 + 1.5 * 0.05 + 1) < 1 / 1
+    for _ in range(30):
+        slow.observe_draft(4, 4.0)
+    assert policy.draft_lengths([Candidate(4, slow)], 1) == [0]
+    assert policy.draft_lengths([Candidate(4, good)], 1) == [4]
 
 
 def test_static_and_unknown_names():

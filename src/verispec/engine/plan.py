@@ -42,6 +42,8 @@ class LiveRequest:
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward
     draft_s: float = 0.0  # seconds its drafter spent proposing
     proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
+    proposed_tokens: int = 0  # how many (its drafting time is per proposed token, verified or not)
+    shadow: int | None = None  # the first drafted token when the policy verified none of the draft
     stops: "StopMatcher | None" = None  # the request's stop strings, checked on its text after every commit
     # draft shape: a tree this step (always with "draft_tree": true); with "auto", trees keep their own estimate
     tree_now: bool = False
@@ -75,7 +77,7 @@ class LiveRequest:
         self.tree_now = best
 
     def clear_draft(self) -> None:
-        self.draft, self.draft_s, self.proposed = EMPTY, 0.0, False
+        self.draft, self.draft_s, self.proposed, self.proposed_tokens, self.shadow = EMPTY, 0.0, False, 0, None
 
 
 @dataclass(frozen=True)

@@ -170,14 +170,16 @@ class DSparkPolicy(_CostAware):
     name = "dspark"
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
-        """The whole block where the drafter's confidences will decide; where survival can only come from the
-        online estimate, no more than the admission on that same estimate would verify: drafting the rest is
-        wasted work (at a saturated batch, every token)."""
-        if all(c.confidences for c in cands):
-            return [c.limit for c in cands]
+        """Before drafting, survival can only come from the online estimate (and a due probe), with the drafting
+        time counted: where that admission takes nothing, nothing is drafted, since drafting it would be wasted
+        work (at a saturated batch every token; with a learned drafter, one drafter run per step that costs about a
+        target step). Where it takes some, a drafter with confidences drafts its whole block (its confidences then
+        decide), one without drafts what the admission took."""
         survivals = _with_probes(cands, [c.estimator.position_survival(c.limit) for c in cands])
-        admitted = admit_prefixes(survivals, self.costs, base_tokens, stop_at_first_drop=True, margin=self.margin)
-        return [c.limit if c.confidences else n for c, n in zip(cands, admitted)]
+        extra = [c.estimator.draft_cost_per_token for c in cands]
+        admitted = admit_prefixes(survivals, self.costs, base_tokens, extra, stop_at_first_drop=True,
+                                  margin=self.margin)
+        return [(c.limit if n else 0) if c.confidences else n for c, n in zip(cands, admitted)]
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         survivals = []
