@@ -60,27 +60,43 @@ class DFlashDrafter:
         self.gives_confidence = bool(model.cfg.dspark)  # DSpark's confidence head; DFlash has none
         self.feature_layers = model.cfg.feature_layers
         self.device = model.norm.weight.device
-        self.n = 0  # committed positions whose context K/V is cached
+        self._kv_n = 0  # committed positions whose context K/V is cached
+        self._pending: list[torch.Tensor] = []  # features of the committed positions after those, not yet run
+        self._pending_n = 0
         self._k: list[torch.Tensor] = []  # per layer [cap, K, hd]
         self._v: list[torch.Tensor] = []
         self.generator = None if params.greedy else params.make_generator(self.device, stream="dflash")
         self.released = False
 
     # ---- state -------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @property
+    def n(self) -> int:
+        """Committed positions the drafter holds features for (their context K/V is computed when next needed)."""
+        return self._kv_n + self._pending_n
+
     def add_features(self, feats: torch.Tensor) -> None:
-        """feats: [m, len(feature_layers) d], the next m committed positions' target features."""
+        """feats: [m, len(feature_layers) d], the next m committed positions' target features. Kept (a copy, not
+        a view of the step's output) and turned into context K/V at the next proposal or state check, in one
+        batch: while the scheduler has speculation off, a step costs the drafter nothing."""
         assert not self.released, "the drafter was released"
-        m = feats.shape[0]
-        if m == 0:
+        if feats.shape[0]:
+            self._pending.append(feats.to(self.device, copy=True))
+            self._pending_n += feats.shape[0]
+
+    @torch.inference_mode()
+    def _catch_up(self) -> None:
+        """Context K/V of the pending committed positions, in one batch."""
+        if not self._pending:
             return
-        pos = torch.arange(self.n, self.n + m, device=self.device)
-        kv = self.model.context_kv(feats.to(self.device), pos)
-        self._reserve(self.n + m, kv[0][0])
+        feats = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        m, n0 = feats.shape[0], self._kv_n
+        kv = self.model.context_kv(feats, torch.arange(n0, n0 + m, device=self.device))
+        self._reserve(n0 + m, kv[0][0])
         for li, (k, v) in enumerate(kv):
-            self._k[li][self.n : self.n + m] = k
-            self._v[li][self.n : self.n + m] = v
-        self.n += m
+            self._k[li][n0 : n0 + m] = k
+            self._v[li][n0 : n0 + m] = v
+        self._kv_n += m
+        self._pending, self._pending_n = [], 0
 
     def _reserve(self, need: int, like: torch.Tensor) -> None:
         cap = self._k[0].shape[0] if self._k else 0
@@ -103,6 +119,7 @@ class DFlashDrafter:
     def check_state(self, ref: torch.Tensor, tokens: Sequence[int] | None = None) -> None:
         """ref: [n, len(feature_layers) d] features recomputed from scratch; the cached K/V must match them."""
         n = ref.shape[0]
+        self._catch_up()
         if self.n != n:
             raise AssertionError(f"{self.name}: the drafter holds context K/V for {self.n} positions but {n} "
                                  "positions are committed")
@@ -121,7 +138,7 @@ class DFlashDrafter:
                                          f"of {n} (max abs diff {float(diff[p]):.3g} > {atol:g})")
 
     def release(self) -> None:
-        self._k, self._v = [], []
+        self._k, self._v, self._pending, self._pending_n = [], [], [], 0
         self.released = True
 
     # ---- drafting ----------------------------------------------------------------------------------------
@@ -129,6 +146,7 @@ class DFlashDrafter:
     def block(self, anchor: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One block forward: anchor at position pos over the cached context -> h [B, d], U [B - 1, V]."""
         B = self.cfg.block_size
+        self._catch_up()
         x = self.model.block_inputs(torch.tensor([anchor], device=self.device))[0]  # [B, d]
         ctx = [(k[: self.n], v[: self.n]) for k, v in zip(self._k, self._v)] if self.n else self._empty_ctx(x)
         h = self.model.block_hidden(x, torch.arange(pos, pos + B, device=self.device), ctx, None)  # [B, d]
