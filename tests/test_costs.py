@@ -44,11 +44,11 @@ def test_turns_speculation_off_when_drafts_fail_and_back_on_when_they_match():
     est = req.est
     assert req.step(policy, 8) > 0  # the prior makes a first try worthwhile
     for _ in range(10):
-        est.update(drafted=4, accepted=0, draft_s=0.0)
+        est.update(drafted=4, accepted=0)
     picks = [req.step(policy, 8) for _ in range(32)]
     assert picks.count(0) >= 28 and max(picks) <= 2  # plain, except for rare short probes
     for _ in range(20):
-        est.update(drafted=8, accepted=8, draft_s=0.0)
+        est.update(drafted=8, accepted=8)
     assert req.step(policy, 8) == 8
     assert req.step(policy, 3) == 3  # never more than the request has room for
 
@@ -124,11 +124,11 @@ def test_probes_back_off_while_they_find_nothing():
     gaps = []
     for _ in range(5):
         gaps.append(next_gap())
-        est.update(drafted=2, accepted=0, draft_s=0.0)
+        est.update(drafted=2, accepted=0)
     assert gaps == [8, 16, 32, 64, 64]
     next_gap()
-    est.update(drafted=2, accepted=1, draft_s=0.0)  # this probe matched
-    est.update(drafted=4, accepted=0, draft_s=0.0)  # a failed ordinary draft, no probe: the gap stays
+    est.update(drafted=2, accepted=1)  # this probe matched
+    est.update(drafted=4, accepted=0)  # a failed ordinary draft, no probe: the gap stays
     assert next_gap() == 8
 
 

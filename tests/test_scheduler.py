@@ -84,8 +84,8 @@ def test_dspark_without_confidences_uses_the_online_estimates():
     costs = StepCosts(CostTable((1, 100), (1.0, 1.0 + 0.05 * 99)))
     good, bad = AcceptanceEstimator(), AcceptanceEstimator()
     for _ in range(30):
-        good.update(drafted=4, accepted=4, draft_s=0.0)
-        bad.update(drafted=4, accepted=0, draft_s=0.0)
+        good.update(drafted=4, accepted=4)
+        bad.update(drafted=4, accepted=0)
     cands = [Candidate(4, good), Candidate(4, bad)]
     assert DSparkPolicy(costs).verify_lengths(cands, [Draft([1, 2, 3, 4])] * 2, 2) == [4, 0]
     # a due probe still verifies a short draft of the failing request, so its estimate can recover
@@ -99,8 +99,8 @@ def test_dspark_drafts_no_more_than_the_estimate_would_verify():
     costs = StepCosts(CostTable((1, 100), (1.0, 1.0 + 0.05 * 99)))
     good, bad = AcceptanceEstimator(), AcceptanceEstimator()
     for _ in range(30):
-        good.update(drafted=4, accepted=4, draft_s=0.0)
-        bad.update(drafted=4, accepted=0, draft_s=0.0)
+        good.update(drafted=4, accepted=4)
+        bad.update(drafted=4, accepted=0)
     cands = [Candidate(4, good, confidences=False), Candidate(4, bad, confidences=False)]
     policy = DSparkPolicy(costs)
     drafts = [Draft([1, 2, 3, 4])] * 2

@@ -247,7 +247,7 @@ class Engine:
             self._drop_drafter(lv, exc)
             return EMPTY
         lv.draft_s = time.perf_counter() - t
-        lv.proposed, lv.proposed_tokens = bool(d.tokens), min(len(d.tokens), k)
+        lv.proposed_tokens = min(len(d.tokens), k)
         if d.tokens:
             lv.confidences = d.confidence is not None
         return d.head(k)
@@ -355,20 +355,7 @@ class Engine:
         """The acceptance estimate, the probe schedule, per-request and engine-wide counters."""
         g = len(lv.draft.tokens)
         if lv.drafter is not None:
-            if lv.proposed:
-                lv.shape_estimator.observe_draft(lv.proposed_tokens, lv.draft_s)
-            if g:
-                lv.shape_estimator.update(g, verdict.accepted)
-                lv.probe = False
-            elif lv.shadow is not None:
-                # drafted but none of it verified (the drafter's own confidences said no): whether its first token
-                # is the one the target committed there is still seen, and counts as one verified position, so an
-                # estimate drafting never proves wrong cannot keep a drafter running every step for nothing (for
-                # sampled requests a match understates acceptance: the estimate errs toward not drafting)
-                lv.shape_estimator.update(1, int(verdict.tokens[0] == lv.shadow))
-                lv.probe = False
-            else:
-                lv.probe = lv.estimator.plain_step()
+            lv.learn(verdict.accepted, verdict.tokens[0])
         lv.req.spec.record(g, verdict.accepted, draft_s=lv.draft_s, forward_s=timing.forward_s, verify_s=verify_s,
                            sched_s=timing.sched_s, state_s=state_s)
         lv.req.spec.record_drift(verdict.relaxed, verdict.tv_sum, verdict.tv_positions)

@@ -175,10 +175,9 @@ class AcceptanceEstimator:
         per_tok = draft_s / tokens
         self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per_tok if self.draft_cost_per_token else per_tok
 
-    def update(self, drafted: int, accepted: int, draft_s: float | None = None) -> None:
-        """`drafted` draft tokens were verified and `accepted` of them accepted; with `draft_s`, drafting them took
-        that long (the engine reports drafting separately, through `observe_draft`, since a draft may be cut before
-        verification)."""
+    def update(self, drafted: int, accepted: int) -> None:
+        """`drafted` draft tokens were verified and `accepted` of them accepted (drafting time comes separately,
+        through `observe_draft`: a draft may be cut before verification)."""
         if drafted == 0:
             return
         self._plain_steps = 0
@@ -193,8 +192,6 @@ class AcceptanceEstimator:
             self.pos_rates.append(self.accept_rate if not self.pos_rates else self.pos_rates[-1])
         for j in range(observed):
             self.pos_rates[j] = self.decay * self.pos_rates[j] + (1 - self.decay) * (j < accepted)
-        if draft_s is not None:
-            self.observe_draft(drafted, draft_s)
 
 
 def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, step_s: float) -> bool:

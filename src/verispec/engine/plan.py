@@ -41,8 +41,7 @@ class LiveRequest:
     # this step's speculation, reset by `clear_draft` at the start of every step
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward
     draft_s: float = 0.0  # seconds its drafter spent proposing
-    proposed: bool = False  # the drafter proposed tokens, so it must hear the verdict (even if none was verified)
-    proposed_tokens: int = 0  # how many (its drafting time is per proposed token, verified or not)
+    proposed_tokens: int = 0  # tokens its drafter proposed (up to k; its drafting time is per proposed token)
     shadow: int | None = None  # the first drafted token when the policy verified none of the draft
     stops: "StopMatcher | None" = None  # the request's stop strings, checked on its text after every commit
     # draft shape: a tree this step (always with "draft_tree": true); with "auto", trees keep their own estimate
@@ -77,7 +76,32 @@ class LiveRequest:
         self.tree_now = best
 
     def clear_draft(self) -> None:
-        self.draft, self.draft_s, self.proposed, self.proposed_tokens, self.shadow = EMPTY, 0.0, False, 0, None
+        self.draft, self.draft_s, self.proposed_tokens, self.shadow = EMPTY, 0.0, 0, None
+
+    @property
+    def proposed(self) -> bool:
+        """The drafter proposed tokens, so it must hear the verdict (even if none was verified)."""
+        return self.proposed_tokens > 0
+
+    def learn(self, accepted: int, committed: int) -> None:
+        """After verification, for a request with a drafter: its drafting time, the acceptance estimate of this
+        step's draft shape, and the probe schedule. committed: the token the target committed at the draft's first
+        position."""
+        g = len(self.draft.tokens)
+        if self.proposed:
+            self.shape_estimator.observe_draft(self.proposed_tokens, self.draft_s)
+        if g:
+            self.shape_estimator.update(g, accepted)
+            self.probe = False
+        elif self.shadow is not None:
+            # drafted but none of it verified (the drafter's own confidences said no): whether its first token is
+            # the one the target committed there is still seen, and counts as one verified position, so an estimate
+            # drafting never proves wrong cannot keep a drafter running every step for nothing (for sampled
+            # requests a match understates acceptance: the estimate errs toward not drafting)
+            self.shape_estimator.update(1, int(committed == self.shadow))
+            self.probe = False
+        else:
+            self.probe = self.estimator.plain_step()
 
 
 @dataclass(frozen=True)

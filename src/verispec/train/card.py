@@ -88,7 +88,7 @@ def add_curve_section(directory: str | Path, method: str, *, target: float | Non
     if data_tokens is None and log.get("data") and (Path(log["data"]) / "meta.json").exists():
         data_tokens = read_meta(log["data"])["response_tokens"]
     ex = extrapolate(log, method, target, offset, data_tokens)
-    plot_curve(log, method, ex, d / CURVE_PNG, offset)
+    plot_curve(ex, method, d / CURVE_PNG)
     section = [CURVE_HEADING, "", f"![learning curve]({CURVE_PNG})", "", ex.sentence()]
     if note:
         section += ["", note]

@@ -88,10 +88,16 @@ class Extrapolation:
 
     fit: LogFit
     target: float
-    reached: float  # the last logged estimate
+    points: tuple[tuple[float, float], ...]  # the run's curve (curve_points)
+    offset: float  # positions trained before the run, added to its own
     positions: float | None  # total positions (offset included) at which the fit reaches the target
     seconds: float | None  # at the run's training rate
     data_tokens: float | None  # at the run's positions per data token (its passes over the data)
+
+    @property
+    def reached(self) -> float:
+        """The last logged estimate."""
+        return self.points[-1][1]
 
     def sentence(self) -> str:
         f = self.fit
@@ -124,17 +130,17 @@ def extrapolate(log: dict, method: str, target: float | None = None, offset: flo
         seconds = need * float(wall) / log["train_tokens"]
     if need is not None and data_tokens:
         passes = log["train_tokens"] / data_tokens
-    return Extrapolation(fit, target, pts[-1][1], need, seconds, None if passes is None else need / passes)
+    return Extrapolation(fit, target, tuple(pts), offset, need, seconds, None if passes is None else need / passes)
 
 
-def plot_curve(log: dict, method: str, ex: Extrapolation, path: str | Path, offset: float = 0.0) -> Path:
+def plot_curve(ex: Extrapolation, method: str, path: str | Path) -> Path:
     """The logged curve, the fitted tail carried to the target, and the target line, as a PNG (log x axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [(offset + x, y) for x, y in curve_points(log, method) if offset + x > 0]
+    pts = [(ex.offset + x, y) for x, y in ex.points if ex.offset + x > 0]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label="held-out tau estimate")
     f = ex.fit
@@ -143,7 +149,7 @@ def plot_curve(log: dict, method: str, ex: Extrapolation, path: str | Path, offs
     ax.plot(xs, [f.at(x) for x in xs], "--", label=f"fit a + b ln(x), {f.per_doubling:+.3f} per doubling")
     ax.axhline(ex.target, color="grey", lw=0.8, label=f"target {ex.target:g}")
     ax.set_xscale("log")
-    ax.set_xlabel("trained positions" + (" (offset: earlier training)" if offset else " (this run)"))
+    ax.set_xlabel("trained positions" + (" (offset: earlier training)" if ex.offset else " (this run)"))
     ax.set_ylabel("tau estimate (held-out)")
     ax.set_title(f"{method}: learning curve and its extrapolation")
     ax.legend(fontsize=8)
