@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import live, make_app
-from verispec.bench.client import RequestRecord, finalize
+from verispec.bench.client import RequestRecord, StreamError, _ChunkReader, finalize
 from verispec.bench.promscrape import parse_spec_metrics, spec_delta
 from verispec.bench.sweep import Level, LevelResult, add_sweep_args, poisson_arrivals, run_sweep
 from verispec.bench.sweep_report import first_divergence, ratio_rows, summarize
@@ -163,6 +163,45 @@ def test_finalize_and_summary_percentiles_by_hand() -> None:
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
     a, b = poisson_arrivals(2.0, 200, seed=3), poisson_arrivals(2.0, 200, seed=3)
     assert a == b and a[0] == 0 and 60 < a[-1] < 140  # seeded; mean gap 0.5 s
+
+
+def _read(source: str, payloads: list[dict | str]) -> tuple[RequestRecord, _ChunkReader]:
+    r = RequestRecord(0, "p", "w", token_source=source)
+    reader = _ChunkReader(r, {"usage_chunks": 0, "usage_final": False})
+    for t, p in enumerate(payloads):
+        reader.feed(p if isinstance(p, str) else json.dumps(p), float(t))
+    return r, reader
+
+
+def test_chunk_reader_counts_tokens_by_each_source() -> None:
+    # literal OpenAI chat chunks: a role-only first chunk (no output), then output, then a usage-only chunk
+    role = {"choices": [{"delta": {"role": "assistant"}}]}
+    # token ids per chunk (verispec's / vLLM's return_token_ids): tokens counted from the ids
+    r, rd = _read("token_ids", [role, {"choices": [{"delta": {"content": "ab", "token_ids": [5, 6]}}]},
+                                {"choices": [{"delta": {"content": "c", "token_ids": [7]}, "finish_reason": "stop"}]}])
+    assert r.chunk_tokens == [2, 1] and rd.ids == [5, 6, 7] and rd.chunk_times == [1.0, 2.0]
+    assert "".join(rd.text) == "abc" and r.finish_reason == "stop" and rd.seen["token_ids"] is True
+    # per-chunk cumulative usage (vLLM's continuous_usage_stats): the differences, 1 then 3 then 1
+    u = lambda n: {"prompt_tokens": 9, "completion_tokens": n, "total_tokens": 9 + n}  # noqa: E731
+    r, rd = _read("continuous_usage", [{"choices": [{"text": "a"}], "usage": u(1)},
+                                       {"choices": [{"text": "bcd"}], "usage": u(4)},
+                                       {"choices": [{"text": "e"}], "usage": u(5)}, {"choices": [], "usage": u(5)}])
+    assert r.chunk_tokens == [1, 3, 1] and rd.final_usage == 5 and r.prompt_tokens == 9
+    assert rd.seen["usage_chunks"] == 4
+    # no counts from the server: one token per chunk with text; empty content is not output
+    r, rd = _read("chunks", [role, {"choices": [{"delta": {"content": "x"}}]}, {"choices": [{"delta": {"content": ""}}]},
+                             {"choices": [{"delta": {"content": "yz"}}]}])
+    assert r.chunk_tokens == [1, 1] and rd.chunk_times == [1.0, 3.0] and rd.ids == []
+
+
+def test_chunk_reader_raises_on_error_events_and_malformed_data() -> None:
+    with pytest.raises(StreamError, match="engine failed"):
+        _read("chunks", [{"error": {"message": "engine failed", "type": "server_error"}}])
+    with pytest.raises(StreamError, match="malformed SSE data"):
+        _read("chunks", ["{not json"])
+    # an error key beside choices is a chunk, not an error event
+    r, _ = _read("chunks", [{"error": None, "choices": [{"text": "a"}]}])
+    assert r.chunk_tokens == [1]
 
 
 # ---- a live sweep -------------------------------------------------------------------------------------------

@@ -297,23 +297,14 @@ class EndpointClient:
         if not rec.token_source:
             rec.token_source = "token_ids" if body.get("return_token_ids") else (
                 "usage_total" if body.get("stream_options") else "chunks")
-        chunk_times: list[float] = []
-        final_usage: int | None = None
-        last_cum = 0
-        ids: list[int] = []
-        text: list[str] = []
+        reader = _ChunkReader(rec, seen)
         t_send = time.perf_counter()
         try:
             async with self.http.stream("POST", self.path, json=body) as r:
                 rec.headers_s = time.perf_counter() - t_send
                 rec.http_status = r.status_code
                 if r.status_code != 200:
-                    raw = (await r.aread()).decode(errors="replace")
-                    try:
-                        msg = json.loads(raw)["error"]["message"]
-                    except Exception:  # noqa: BLE001 - any non-OpenAI error body
-                        msg = raw
-                    rec.fail(f"http_{r.status_code}", msg)
+                    rec.fail(f"http_{r.status_code}", _error_message((await r.aread()).decode(errors="replace")))
                     return
                 done = False
                 async for line in r.aiter_lines():
@@ -323,49 +314,7 @@ class EndpointClient:
                     if data == "[DONE]":
                         done = True
                         break
-                    now = time.perf_counter()
-                    try:
-                        obj = json.loads(data)
-                    except json.JSONDecodeError as e:
-                        raise StreamError(f"malformed SSE data ({e.msg}): {data[:80]!r}") from None
-                    if "error" in obj and not obj.get("choices"):
-                        err = obj["error"]
-                        raise StreamError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
-                    cum = _usage_completion(obj)
-                    if cum is not None:
-                        final_usage = cum
-                        if seen is not None:
-                            seen["usage_chunks"] += 1
-                            seen["usage_final"] = True
-                        if isinstance(obj.get("usage"), dict) and isinstance(obj["usage"].get("prompt_tokens"), int):
-                            rec.prompt_tokens = obj["usage"]["prompt_tokens"]
-                    choices = obj.get("choices") or []
-                    if not choices:
-                        continue
-                    ch = choices[0]
-                    piece = (ch.get("delta") or {}).get("content") if "delta" in ch else ch.get("text")
-                    piece = piece or ""
-                    tids = ch.get("token_ids")
-                    if tids is None and isinstance(ch.get("delta"), dict):
-                        tids = ch["delta"].get("token_ids")
-                    if ch.get("finish_reason"):
-                        rec.finish_reason = ch["finish_reason"]
-                    if isinstance(tids, list):
-                        if seen is not None and tids:
-                            seen["token_ids"] = True
-                        ids += tids
-                    if rec.token_source == "token_ids":
-                        n = len(tids) if isinstance(tids, list) else 0
-                    elif rec.token_source == "continuous_usage":
-                        n = (cum - last_cum) if cum is not None else (1 if piece else 0)
-                        last_cum = cum if cum is not None else last_cum + n
-                    else:
-                        n = 1 if piece else 0
-                    text.append(piece)
-                    if n > 0 or (piece and rec.token_source == "token_ids"):
-                        # a chunk with text but no ids only happens if ids went missing: count it as one
-                        chunk_times.append(now)
-                        rec.chunk_tokens.append(max(n, 1))
+                    reader.feed(data, time.perf_counter())
                 rec.stream_end_s = time.perf_counter() - t_send
                 if not done:
                     raise StreamError("the stream ended without [DONE]")
@@ -373,19 +322,91 @@ class EndpointClient:
             rec.fail("stream", str(e))
         except httpx.TimeoutException as e:
             rec.fail("timeout", f"{type(e).__name__}: {e}")
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                httpx.NetworkError) as e:
-            rec.fail("connection", f"{type(e).__name__}: {e}")
-        except httpx.HTTPError as e:  # anything else the transport raised (protocol, decoding)
+        except httpx.HTTPError as e:  # connect / protocol / read / write errors, and anything else of the transport
             rec.fail("connection", f"{type(e).__name__}: {e}")
         finally:
-            rec.text = "".join(text)
-            rec.token_ids = ids if ids or rec.token_source == "token_ids" else None
-            if rec.token_source == "usage_total" and final_usage is None and rec.status == "pending":
+            rec.text = "".join(reader.text)
+            rec.token_ids = reader.ids if reader.ids or rec.token_source == "token_ids" else None
+            if rec.token_source == "usage_total" and reader.final_usage is None and rec.status == "pending":
                 rec.token_source = "chunks"
-            finalize(rec, t_send, chunk_times, final_usage)
+            finalize(rec, t_send, reader.chunk_times, reader.final_usage)
             if rec.status == "pending" and not _cancelled():
                 rec.status = "ok"
+
+
+def _error_message(raw: str) -> str:
+    """The message of an OpenAI-style error body, or the body itself."""
+    try:
+        return json.loads(raw)["error"]["message"]
+    except Exception:  # noqa: BLE001 - any non-OpenAI error body
+        return raw
+
+
+@dataclass
+class _ChunkReader:
+    """What one stream's SSE data chunks add up to: text, token ids, the arrival time and token count of every
+    output-carrying chunk (counted by `rec.token_source`), and the last cumulative usage seen."""
+
+    rec: RequestRecord
+    seen: dict | None  # probe()'s notes on what the server sends, or None
+    chunk_times: list[float] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    final_usage: int | None = None
+    last_cum: int = 0
+
+    def feed(self, data: str, now: float) -> None:
+        """One `data:` payload (not `[DONE]`) that arrived at `now`."""
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise StreamError(f"malformed SSE data ({e.msg}): {data[:80]!r}") from None
+        if "error" in obj and not obj.get("choices"):
+            err = obj["error"]
+            raise StreamError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+        cum = self._usage(obj)
+        choices = obj.get("choices") or []
+        if not choices:
+            return
+        ch = choices[0]
+        piece = ((ch.get("delta") or {}).get("content") if "delta" in ch else ch.get("text")) or ""
+        tids = ch.get("token_ids")
+        if tids is None and isinstance(ch.get("delta"), dict):
+            tids = ch["delta"].get("token_ids")
+        if ch.get("finish_reason"):
+            self.rec.finish_reason = ch["finish_reason"]
+        if isinstance(tids, list):
+            if self.seen is not None and tids:
+                self.seen["token_ids"] = True
+            self.ids += tids
+        n = self._tokens(tids, cum, piece)
+        self.text.append(piece)
+        if n > 0 or (piece and self.rec.token_source == "token_ids"):
+            # a chunk with text but no ids only happens if ids went missing: count it as one
+            self.chunk_times.append(now)
+            self.rec.chunk_tokens.append(max(n, 1))
+
+    def _usage(self, obj: dict) -> int | None:
+        """The chunk's cumulative completion tokens, if it carries usage (noted, with the prompt's tokens)."""
+        cum = _usage_completion(obj)
+        if cum is not None:
+            self.final_usage = cum
+            if self.seen is not None:
+                self.seen["usage_chunks"] += 1
+                self.seen["usage_final"] = True
+            if isinstance(obj.get("usage"), dict) and isinstance(obj["usage"].get("prompt_tokens"), int):
+                self.rec.prompt_tokens = obj["usage"]["prompt_tokens"]
+        return cum
+
+    def _tokens(self, tids: Any, cum: int | None, piece: str) -> int:
+        """Output tokens this chunk carries, by the record's token source."""
+        if self.rec.token_source == "token_ids":
+            return len(tids) if isinstance(tids, list) else 0
+        if self.rec.token_source == "continuous_usage":
+            n = (cum - self.last_cum) if cum is not None else (1 if piece else 0)
+            self.last_cum = cum if cum is not None else self.last_cum + n
+            return n
+        return 1 if piece else 0
 
 
 def _cancelled() -> bool:
