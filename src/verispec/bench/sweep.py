@@ -179,90 +179,106 @@ async def run_level(client: Any, pool: Sequence[Any], level: Level, *, repeat: i
                     grace: float, max_tokens: int | None, seed: int, metrics: bool = True,
                     metrics_timeout: float = 5.0, progress: bool = True) -> LevelResult:
     """Run one bounded level against `client` (an EndpointClient) and return its records and spec deltas."""
-    from verispec.bench.client import RequestRecord
-    from verispec.bench.promscrape import scrape, spec_delta
+    from verispec.bench.promscrape import spec_delta
 
     before = await _scrape_settled(client.http, client.base, metrics_timeout) if metrics else None
-    n = level.requests
-    records: list[RequestRecord] = []
-    in_flight = 0
-    max_in_flight = 0
-    bar = _bar(n, f"{client.label} {level.name}" + (f" #{repeat + 1}" if repeat else ""), progress)
-    t0 = time.perf_counter()
-    stop_at = t0 + max_seconds
-
-    async def one(i: int) -> None:
-        nonlocal in_flight, max_in_flight
-        p = pool[i % len(pool)]
-        rec = RequestRecord(i, p.id, p.workload, endpoint=client.label, level=level.name)
-        rec.repeat = repeat + 1
-        records.append(rec)
-        rec.send_at = time.perf_counter() - t0
-        in_flight += 1
-        max_in_flight = max(max_in_flight, in_flight)
-        try:
-            await client.request(p, rec, max_tokens)
-        except Exception as e:  # noqa: BLE001 - a client-side failure is this request's error, not the level's
-            rec.fail("client", f"{type(e).__name__}: {e}")
-        finally:
-            in_flight -= 1
-            if bar is not None:
-                bar.update(1)
-
-    gauge_samples: list[Any] = []
-    sampler = None
-    if before is not None and before.family == "sglang":  # a gauge: sample it while the level runs
-        async def sample() -> None:
-            while True:
-                await asyncio.sleep(1.0)
-                s = await scrape(client.http, client.base, metrics_timeout)
-                if s is not None:
-                    gauge_samples.append(s)
-        sampler = asyncio.create_task(sample())
-
-    tasks: list[asyncio.Task] = []
-    if level.mode == "concurrency":
-        next_i = 0
-
-        async def worker() -> None:
-            nonlocal next_i
-            while next_i < n and time.perf_counter() < stop_at:
-                i, next_i = next_i, next_i + 1
-                await one(i)
-
-        tasks = [asyncio.create_task(worker()) for _ in range(min(int(level.value), n))]
-        await asyncio.wait(tasks, timeout=max(0.0, stop_at + grace - time.perf_counter()))
-    else:
-        arrivals = poisson_arrivals(level.value, n, seed)
-
-        async def dispatch() -> None:
-            for i, at in enumerate(arrivals):
-                if t0 + at >= stop_at:
-                    return
-                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-                tasks.append(asyncio.create_task(one(i)))
-
-        await dispatch()
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(0.0, stop_at + grace - time.perf_counter()))
-    pending = [t for t in tasks if not t.done()]
-    for t in pending:
-        t.cancel()
+    bar = _bar(level.requests, f"{client.label} {level.name}" + (f" #{repeat + 1}" if repeat else ""), progress)
+    run = _LevelRun(client, pool, level, repeat, max_tokens, bar, time.perf_counter() + max_seconds)
+    sampler = _GaugeSampler(client, metrics_timeout) if before is not None and before.family == "sglang" else None
+    tasks = run.closed_loop() if level.mode == "concurrency" else await run.open_loop(seed)
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, run.stop_at + grace - time.perf_counter()))
+    for t in tasks:
+        if not t.done():
+            t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     t_end = time.perf_counter()
-    if sampler is not None:
-        sampler.cancel()
-        await asyncio.gather(sampler, return_exceptions=True)
-    for rec in records:
+    gauge_samples = await sampler.stop() if sampler is not None else []
+    for rec in run.records:
         if rec.status == "pending":
             rec.fail("timeout", f"cancelled at the level's limit ({max_seconds:g} s + {grace:g} s grace)")
     if bar is not None:
         bar.close()
     after = await _scrape_settled(client.http, client.base, metrics_timeout) if metrics else None
-    records.sort(key=lambda r: r.index)
-    res = LevelResult(client.label, level, repeat, records, t_end - t0, spec_delta(before, after, gauge_samples),
-                      max_in_flight)
-    return res
+    run.records.sort(key=lambda r: r.index)
+    return LevelResult(client.label, level, repeat, run.records, t_end - run.t0,
+                       spec_delta(before, after, gauge_samples), run.max_in_flight)
+
+
+class _LevelRun:
+    """The requests of one level as they are sent: a record each, and how many are in flight at most."""
+
+    def __init__(self, client: Any, pool: Sequence[Any], level: Level, repeat: int, max_tokens: int | None,
+                 bar: Any, stop_at: float) -> None:
+        self.client, self.pool, self.level, self.repeat, self.max_tokens = client, pool, level, repeat, max_tokens
+        self.bar, self.stop_at = bar, stop_at
+        self.records: list[Any] = []
+        self.in_flight = self.max_in_flight = 0
+        self.t0 = time.perf_counter()
+
+    async def one(self, i: int) -> None:
+        """Send request i (prompt i of the pool, cycled) and record it; a client-side failure is its own error."""
+        from verispec.bench.client import RequestRecord
+
+        p = self.pool[i % len(self.pool)]
+        rec = RequestRecord(i, p.id, p.workload, endpoint=self.client.label, level=self.level.name)
+        rec.repeat = self.repeat + 1
+        self.records.append(rec)
+        rec.send_at = time.perf_counter() - self.t0
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await self.client.request(p, rec, self.max_tokens)
+        except Exception as e:  # noqa: BLE001 - a client-side failure is this request's error, not the level's
+            rec.fail("client", f"{type(e).__name__}: {e}")
+        finally:
+            self.in_flight -= 1
+            if self.bar is not None:
+                self.bar.update(1)
+
+    def closed_loop(self) -> list[asyncio.Task]:
+        """C workers, each sending its next request when its last one ended, until N are sent or time is up."""
+        next_i = 0
+
+        async def worker() -> None:
+            nonlocal next_i
+            while next_i < self.level.requests and time.perf_counter() < self.stop_at:
+                i, next_i = next_i, next_i + 1
+                await self.one(i)
+
+        return [asyncio.create_task(worker()) for _ in range(min(int(self.level.value), self.level.requests))]
+
+    async def open_loop(self, seed: int) -> list[asyncio.Task]:
+        """Requests sent at seeded Poisson arrival times, whatever is in flight, until time is up."""
+        tasks = []
+        for i, at in enumerate(poisson_arrivals(self.level.value, self.level.requests, seed)):
+            if self.t0 + at >= self.stop_at:
+                break
+            await asyncio.sleep(max(0.0, self.t0 + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(self.one(i)))
+        return tasks
+
+
+class _GaugeSampler:
+    """Scrapes /metrics every second while a level runs (SGLang's acceptance is a gauge, not a counter)."""
+
+    def __init__(self, client: Any, timeout: float) -> None:
+        self.samples: list[Any] = []
+        self.task = asyncio.create_task(self._sample(client, timeout))
+
+    async def _sample(self, client: Any, timeout: float) -> None:
+        from verispec.bench.promscrape import scrape
+
+        while True:
+            await asyncio.sleep(1.0)
+            s = await scrape(client.http, client.base, timeout)
+            if s is not None:
+                self.samples.append(s)
+
+    async def stop(self) -> list[Any]:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        return self.samples
 
 
 def _bar(total: int, desc: str, enabled: bool) -> Any:
