@@ -229,6 +229,15 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
                  results: dict[str, list[LevelResult]], pool: Sequence[Any]) -> Report:
     slo = (args.slo_ttft, args.slo_tpot, args.slo_e2e)
     rows = [summarize(res, slo) for rs in results.values() for res in rs]
+    records = [r.as_dict() for rs in results.values() for res in rs for r in res.records]
+    title = "Serving sweep: " + " vs ".join(c.label for c in clients)
+    return Report(title, _conditions(args, levels, ref, clients), _tables(rows, results, clients), records,
+                  figures(rows, levels, [c.label for c in clients]),
+                  _notes(args, results, ref, clients, pool, slo))
+
+
+def _conditions(args: argparse.Namespace, levels: Sequence[Level], ref: Level, clients: Sequence[Any]) -> dict:
+    """MEASURE.md's three conditions of a sweep: concurrency (and the levels' bounds), metric, baseline."""
     closed = [lv for lv in levels if lv.mode == "concurrency"]
     rates = [lv for lv in levels if lv.mode == "rate"]
     conc = []
@@ -238,7 +247,7 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
     if rates:
         conc.append("open loop, Poisson arrivals at " + ", ".join(f"{lv.value:g}" for lv in rates)
                     + f" req/s (seed {args.seed} + level index; requests are sent on time whatever is in flight)")
-    bounds = (f"every level at most {', '.join(sorted({str(lv.requests) for lv in levels}))} requests and "
+    bounds = (f"Every level at most {', '.join(sorted({str(lv.requests) for lv in levels}))} requests and "
               f"{args.max_seconds_per_level:g} s of sending, then {args.grace_seconds:g} s of grace; requests "
               "cancelled then count as errors of class 'timeout'")
     metric = ("aggregate output tok/s = output tokens of completed requests / level wall time (first send to last "
@@ -255,8 +264,14 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
     else:
         baseline = ("none: one endpoint only, no speculation-off comparison; identity is against this endpoint's "
                     f"own {ref.name} output")
+    return {"concurrency": "; ".join(conc) + f". {bounds}.", "metric": metric, "baseline": baseline}
+
+
+def _notes(args: argparse.Namespace, results: dict[str, list[LevelResult]], ref: Level, clients: Sequence[Any],
+           pool: Sequence[Any], slo: tuple) -> list[str]:
+    """What the report's reader needs to read the tables: engines, endpoints, prompts, SLOs, definitions."""
     slo_txt = ", ".join(f"{k} <= {v:g} s" for k, v in zip(("TTFT", "TPOT", "E2E"), slo) if v is not None)
-    notes = [*engine_config_notes(results),
+    return [*engine_config_notes(results),
         "Endpoints: " + "; ".join(f"{c.label} = {c.base} (model {c.model!r}, {args.api} API, token counts from "
                                   f"{c.caps.token_source}{': ' + c.caps.note if c.caps.note else ''})"
                                   for c in clients),
@@ -278,6 +293,10 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
         "NaN where the server exports no such histogram. Time to response headers is what a client sees of it: "
         "servers that send headers before scheduling (verispec, vLLM) make it an upper bound on admission.",
     ]
+
+
+def _tables(rows: list[dict], results: dict[str, list[LevelResult]], clients: Sequence[Any]) -> list[Table]:
+    """Throughput, latency, the ratios against the baseline (if any) and per-position acceptance (if any)."""
     lat_keys = [k for k in rows[0] if any(k.endswith(f"_p{q}_{u}") for q in PCTS for u in ("ms", "s"))] if rows else []
     tables = [Table("Throughput, errors, speculation and identity per endpoint and level",
                     [{k: v for k, v in r.items() if k not in lat_keys} for r in rows],
@@ -295,22 +314,24 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
                             ratio_rows(spec_rows, base_rows),
                             "ratio_* = method / baseline (throughput), speedup_* = baseline / method (latency): "
                             "> 1 means speculation helps. Median over repeats, min..max when more than one."))
-    pos_rows = []
+    pos_rows = _position_rows(results)
+    if pos_rows:
+        tables.append(Table("Per-position acceptance", pos_rows,
+                            "pos<i> = draft tokens accepted at position i / drafts; accepted_pos<i> = the count "
+                            "(/metrics deltas over the level)."))
+    return tables
+
+
+def _position_rows(results: dict[str, list[LevelResult]]) -> list[dict]:
+    """One row per level run whose server reported per-position acceptance."""
+    rows = []
     width = max((len(res.spec.get("per_pos_accepted") or []) for rs in results.values() for res in rs), default=0)
     for rs in results.values():
         for res in rs:
             acc, cnt = res.spec.get("per_pos_acceptance") or [], res.spec.get("per_pos_accepted") or []
             if acc:
-                pos_rows.append({"endpoint": res.endpoint, "level": res.level.name, "repeat": res.repeat + 1,
-                                 "drafts": res.spec["drafts"],
-                                 **{f"pos{i}": acc[i] if i < len(acc) else 0.0 for i in range(width)},
-                                 **{f"accepted_pos{i}": cnt[i] if i < len(cnt) else 0.0 for i in range(width)}})
-    if pos_rows:
-        tables.append(Table("Per-position acceptance", pos_rows,
-                            "pos<i> = draft tokens accepted at position i / drafts; accepted_pos<i> = the count "
-                            "(/metrics deltas over the level)."))
-    records = [r.as_dict() for rs in results.values() for res in rs for r in res.records]
-    cond = {"concurrency": "; ".join(conc) + f". {bounds[0].upper() + bounds[1:]}.", "metric": metric,
-            "baseline": baseline}
-    title = "Serving sweep: " + " vs ".join(c.label for c in clients)
-    return Report(title, cond, tables, records, figures(rows, levels, [c.label for c in clients]), notes)
+                rows.append({"endpoint": res.endpoint, "level": res.level.name, "repeat": res.repeat + 1,
+                             "drafts": res.spec["drafts"],
+                             **{f"pos{i}": acc[i] if i < len(acc) else 0.0 for i in range(width)},
+                             **{f"accepted_pos{i}": cnt[i] if i < len(cnt) else 0.0 for i in range(width)}})
+    return rows
