@@ -301,54 +301,16 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 async def _sweep(args: argparse.Namespace) -> int:
-    from verispec.bench.client import EndpointClient
-
+    _check_args(args)
     levels = plan_levels(args.concurrency, args.request_rate, args.requests_per_level)
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads else None
-    pool = build_pool(workloads)
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise ValueError("--max-tokens must be >= 1")
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
-    if args.requests_per_level is not None and args.requests_per_level < 1:
-        raise ValueError("--requests-per-level must be >= 1")
-    if args.max_seconds_per_level <= 0 or args.grace_seconds < 0:
-        raise ValueError("need --max-seconds-per-level > 0 and --grace-seconds >= 0")
-    req_timeout = args.request_timeout or (args.max_seconds_per_level + args.grace_seconds + 5)
-    max_conn = max([int(lv.value) for lv in levels if lv.mode == "concurrency"] + [64]) * 2
-    endpoints = [(args.label, args.endpoint, args.model)]
-    if args.baseline_endpoint:
-        endpoints.append((args.baseline_label, args.baseline_endpoint, args.baseline_model or args.model))
-    clients = [EndpointClient(url, api=args.api, model=model, api_key=args.api_key, max_connections=max_conn,
-                              request_timeout=req_timeout, temperature=args.temperature, ignore_eos=args.ignore_eos,
-                              label=label) for label, url, model in endpoints]
-    progress = not args.no_progress
-    say = _say(progress)
+    pool = build_pool([w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads else None)
+    clients = _clients(args, levels)
+    say = _say(not args.no_progress)
+    load = MachineLoad()
     try:
-        for c in clients:
-            try:
-                model = await c.resolve_model(timeout=args.probe_timeout)
-            except Exception as e:  # noqa: BLE001 - any failure to list models is a setup error
-                raise RuntimeError(f"cannot read {c.base}/v1/models ({type(e).__name__}: {e}); is the server up? "
-                                   "(or pass --model)") from None
-            caps = await c.probe(pool[0], timeout=args.probe_timeout)
-            say(f"{c.label}: {c.base}, model {model!r}, token counts from {caps.token_source}"
-                + (f" ({caps.note})" if caps.note else ""))
-        results: dict[str, list[LevelResult]] = {c.label: [] for c in clients}
-        load = MachineLoad().start()
-        for rep in range(args.repeats):
-            for j, level in enumerate(levels):
-                order = clients if (j + rep) % 2 == 0 else clients[::-1]
-                for c in order:
-                    res = await run_level(c, pool, level, repeat=rep, max_seconds=args.max_seconds_per_level,
-                                          grace=args.grace_seconds, max_tokens=args.max_tokens,
-                                          seed=args.seed + j, metrics=not args.no_metrics,
-                                          metrics_timeout=args.metrics_timeout, progress=progress)
-                    results[c.label].append(res)
-                    row = summarize(res)
-                    say(f"{c.label} {level.name}: {row['completed']}/{row['sent']} ok, {row['req_per_s']:.2f} req/s, "
-                        f"{row['out_tok_per_s']:.1f} tok/s, P50 TPOT {row['tpot_p50_ms']:.1f} ms, "
-                        f"tau {row['tau']:.2f}, errors {row['errors_by_class']}")
+        await _probe(clients, pool, args, say)
+        load.start()
+        results = await _run_levels(clients, pool, levels, args, say)
         load.stop()
     finally:
         for c in clients:
@@ -364,6 +326,63 @@ async def _sweep(args: argparse.Namespace) -> int:
     say(f"report: {paths['md']} (also {paths['html'].name}, {paths['json'].name}, {paths['csv'].name}, PNGs)")
     completed = sum(r.ok for rs in results.values() for res in rs for r in res.records)
     return 0 if completed else 1
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    if args.requests_per_level is not None and args.requests_per_level < 1:
+        raise ValueError("--requests-per-level must be >= 1")
+    if args.max_seconds_per_level <= 0 or args.grace_seconds < 0:
+        raise ValueError("need --max-seconds-per-level > 0 and --grace-seconds >= 0")
+
+
+def _clients(args: argparse.Namespace, levels: Sequence[Level]) -> list[Any]:
+    """The endpoint under test, then the baseline if one is given."""
+    from verispec.bench.client import EndpointClient
+
+    req_timeout = args.request_timeout or (args.max_seconds_per_level + args.grace_seconds + 5)
+    max_conn = max([int(lv.value) for lv in levels if lv.mode == "concurrency"] + [64]) * 2
+    endpoints = [(args.label, args.endpoint, args.model)]
+    if args.baseline_endpoint:
+        endpoints.append((args.baseline_label, args.baseline_endpoint, args.baseline_model or args.model))
+    return [EndpointClient(url, api=args.api, model=model, api_key=args.api_key, max_connections=max_conn,
+                           request_timeout=req_timeout, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                           label=label) for label, url, model in endpoints]
+
+
+async def _probe(clients: Sequence[Any], pool: Sequence[Any], args: argparse.Namespace, say: Any) -> None:
+    """Each endpoint's model name and the token-count extensions it accepts, said before any level runs."""
+    for c in clients:
+        try:
+            model = await c.resolve_model(timeout=args.probe_timeout)
+        except Exception as e:  # noqa: BLE001 - any failure to list models is a setup error
+            raise RuntimeError(f"cannot read {c.base}/v1/models ({type(e).__name__}: {e}); is the server up? "
+                               "(or pass --model)") from None
+        caps = await c.probe(pool[0], timeout=args.probe_timeout)
+        say(f"{c.label}: {c.base}, model {model!r}, token counts from {caps.token_source}"
+            + (f" ({caps.note})" if caps.note else ""))
+
+
+async def _run_levels(clients: Sequence[Any], pool: Sequence[Any], levels: Sequence[Level],
+                      args: argparse.Namespace, say: Any) -> dict[str, list[LevelResult]]:
+    """Every level of every repeat on every endpoint, the endpoints' order alternating (A B, then B A)."""
+    results: dict[str, list[LevelResult]] = {c.label: [] for c in clients}
+    for rep in range(args.repeats):
+        for j, level in enumerate(levels):
+            for c in clients if (j + rep) % 2 == 0 else clients[::-1]:
+                res = await run_level(c, pool, level, repeat=rep, max_seconds=args.max_seconds_per_level,
+                                      grace=args.grace_seconds, max_tokens=args.max_tokens, seed=args.seed + j,
+                                      metrics=not args.no_metrics, metrics_timeout=args.metrics_timeout,
+                                      progress=not args.no_progress)
+                results[c.label].append(res)
+                row = summarize(res)
+                say(f"{c.label} {level.name}: {row['completed']}/{row['sent']} ok, {row['req_per_s']:.2f} req/s, "
+                    f"{row['out_tok_per_s']:.1f} tok/s, P50 TPOT {row['tpot_p50_ms']:.1f} ms, "
+                    f"tau {row['tau']:.2f}, errors {row['errors_by_class']}")
+    return results
 
 
 def _say(progress: bool):
