@@ -112,6 +112,20 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
     metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
                                               "batch_invariant": llm.model.batch_invariant})
 
+    app = FastAPI(title="verispec", lifespan=_lifespan(engine, manage_engine), docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    install_openapi(app, llm.max_model_len, llm.model.cfg.vocab_size, MAX_N)  # request / response schemas
+    app.state.llm, app.state.engine, app.state.metrics, app.state.served = llm, engine, metrics, served
+    app.state.lifecycle = lifecycle
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    _install_error_handlers(app)
+    _install_routes(app, Generation(llm, engine, served, metrics, lifecycle, max_request_bytes))
+    return app
+
+
+def _lifespan(engine: BackgroundEngine, manage_engine: bool) -> Callable[[FastAPI], Any]:
+    """Starts the engine with the app and shuts it down after (when the app manages it)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
@@ -121,16 +135,12 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
         finally:
             if manage_engine:
                 await asyncio.to_thread(engine.shutdown)
+    return lifespan
 
-    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(app, llm.max_model_len, llm.model.cfg.vocab_size, MAX_N)  # request / response schemas
-    app.state.llm, app.state.engine, app.state.metrics, app.state.served = llm, engine, metrics, served
-    app.state.lifecycle = lifecycle
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
 
-    _install_error_handlers(app)
-    generate = Generation(llm, engine, served, metrics, lifecycle, max_request_bytes)
+def _install_routes(app: FastAPI, generate: Generation) -> None:
+    """The OpenAI routes, /health and /metrics, over the app's state."""
+    served, engine, lifecycle, metrics = app.state.served, app.state.engine, app.state.lifecycle, app.state.metrics
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -161,8 +171,6 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
-
-    return app
 
 
 class _Server(uvicorn.Server):
