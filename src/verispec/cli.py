@@ -67,12 +67,32 @@ def _spec_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     from verispec import __version__
+    from verispec.audit.cli import add_audit_args
+    from verispec.doctor.run import add_doctor_args
+    from verispec.train.cli import add_train_parser
 
     ap = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding for Llama-family models")
     ap.add_argument("--version", action="version", version=f"verispec {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_models(sub.add_parser("models", help="fetch and list known models"))
+    _add_generate(sub.add_parser("generate", help="generate text from a prompt or chat messages"))
+    _add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculation)"))
+    demo = sub.add_parser("demo", help="the main job: a short single-stream comparison on the default model")
+    _add_model_args(demo)
+    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--out", default="verispec-demo", help="directory for the HTML report (default: %(default)s)")
+    _add_bench(sub.add_parser("bench", help="benchmarks: single-stream (in process) or serving sweeps (any endpoint)"))
+    add_train_parser(sub)
+    add_audit_args(sub.add_parser("audit", help="paired quality per domain: a candidate configuration or endpoint "
+                                                "against a reference (win counts, sign test, bootstrap intervals)"))
+    add_doctor_args(sub.add_parser("doctor", help="check the chain checkpoint -> drafter -> method -> target "
+                                                  "interface -> verifier, then greedy identity and the state oracle"))
+    drafters = sub.add_parser("drafters", help="trained drafters shipped with verispec")
+    drafters.add_subparsers(dest="drafters_command", required=True).add_parser("list", help="names and model cards")
+    return ap
 
-    models = sub.add_parser("models", help="fetch and list known models")
+
+def _add_models(models: argparse.ArgumentParser) -> None:
     msub = models.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
@@ -80,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true")
     msub.add_parser("list", help="known models and whether they are cached")
 
-    gen = sub.add_parser("generate", help="generate text from a prompt or chat messages")
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' reads stdin)")
     _add_model_args(gen)
     _add_spec_args(gen)
@@ -96,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, speculation)")
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
     _add_model_args(serve)
     _add_spec_args(serve)
     serve.add_argument("--scheduler", default="dspark", choices=["static", "goodput", "dspark"],
@@ -123,40 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
                             "error; new ones get 503 meanwhile (default: 30)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
-    demo = sub.add_parser("demo", help="the main job: a short single-stream comparison on the default model")
-    _add_model_args(demo)
-    demo.add_argument("--max-tokens", type=int, default=96)
-    demo.add_argument("--out", default="verispec-demo", help="directory for the HTML report (default: %(default)s)")
 
-    bench = sub.add_parser("bench", help="benchmarks: single-stream (in process) or serving sweeps (any endpoint)")
+def _add_bench(bench: argparse.ArgumentParser) -> None:
+    from verispec.bench.single import add_single_args
+    from verispec.bench.sweep import add_sweep_args
+
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     single = bsub.add_parser("single", help="single-stream: each method vs plain decoding on the workloads")
     _add_model_args(single)
-    from verispec.bench.single import add_single_args
-
     add_single_args(single)
     single.add_argument("--endpoint", default=None,
                         help="measure this OpenAI-compatible server instead of in process (a concurrency-1 sweep; "
                              "--baseline-endpoint is then the speculation-off server)")
     single.add_argument("--baseline-endpoint", default=None)
-    from verispec.bench.sweep import add_sweep_args
-
     add_sweep_args(bsub.add_parser("sweep", help="serving sweep of any OpenAI-compatible endpoint: closed loop "
                                                  "(--concurrency) or Poisson (--request-rate)"))
-    from verispec.train.cli import add_train_parser
-
-    add_train_parser(sub)
-    from verispec.audit.cli import add_audit_args
-
-    add_audit_args(sub.add_parser("audit", help="paired quality per domain: a candidate configuration or endpoint "
-                                                "against a reference (win counts, sign test, bootstrap intervals)"))
-    from verispec.doctor.run import add_doctor_args
-
-    add_doctor_args(sub.add_parser("doctor", help="check the chain checkpoint -> drafter -> method -> target "
-                                                  "interface -> verifier, then greedy identity and the state oracle"))
-    drafters = sub.add_parser("drafters", help="trained drafters shipped with verispec")
-    drafters.add_subparsers(dest="drafters_command", required=True).add_parser("list", help="names and model cards")
-    return ap
 
 
 def cmd_drafters(args: argparse.Namespace) -> int:
