@@ -104,6 +104,17 @@ def test_prometheus_parsing_of_three_families() -> None:
         q0, q1 = parse_spec_metrics(hist.format(n=2, s=0.5)), parse_spec_metrics(hist.format(n=6, s=2.5))
         assert q1.queue == (2.5, 6) and spec_delta(q0, q1)["queue_mean_s"] == pytest.approx(2.0 / 4)
         assert spec_delta(q0, q1)["queued_requests"] == 4 and math.isnan(spec_delta(q1, q1)["queue_mean_s"])
+    clock = ("# TYPE verispec:engine_steps counter\nverispec:engine_steps_total {n}\n"
+             "# TYPE verispec:engine_forward_tokens counter\nverispec:engine_forward_tokens_total {t}\n"
+             "# TYPE verispec:engine_step_seconds counter\n"
+             'verispec:engine_step_seconds_total{{phase="schedule"}} {s}\n'
+             'verispec:engine_step_seconds_total{{phase="forward"}} {f}\n')
+    c0 = parse_spec_metrics(VERISPEC.format(d=0, t=0, a=0, p0=0, p1=0) + clock.format(n=10, t=40, s=0.5, f=2.0))
+    c1 = parse_spec_metrics(VERISPEC.format(d=0, t=0, a=0, p0=0, p1=0) + clock.format(n=30, t=200, s=0.9, f=8.0))
+    d = spec_delta(c0, c1)  # 20 steps, 160 rows, 0.4 s of scheduling and 6 s of forwards between the two scrapes
+    assert (d["engine_steps"], d["rows_per_step"]) == (20, 8)
+    assert d["step_schedule_ms"] == pytest.approx(20.0) and d["step_forward_ms"] == pytest.approx(300.0)
+    assert d["step_ms"] == pytest.approx(320.0) and "step_ms" not in spec_delta(c1, c1)
     nothing = parse_spec_metrics("# TYPE up gauge\nup 1\n")
     assert nothing.family is None and math.isnan(spec_delta(nothing, nothing)["tau"])
     restarted = spec_delta(after, before)  # counters went backwards
@@ -262,12 +273,22 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
         assert row["out_tok_per_s"] == pytest.approx(8 * MAX_TOKENS / row["duration_s"])
         assert row["goodput_req_per_s"] == pytest.approx(row["req_per_s"])
     assert max(r["max_in_flight"] for r in rows if r["level"] == "c=4") <= 4
+    for row in rows:  # the step clock: ms per step is its phases' sum
+        assert row["engine_steps"] > 0 and row["step_forward_ms"] > 0
+        assert row["step_ms"] == pytest.approx(sum(row[f"step_{p}_ms"] for p in ("schedule", "draft", "forward",
+                                                                                 "commit")))
     assert rows[0]["max_in_flight"] == 1
 
     # /metrics deltas over the levels == the engine's per-request accounting of those requests == its counters
     bench = [s.stats for m, s in streams if m == MAX_TOKENS]
     probe = [s.stats for m, s in streams if m != MAX_TOKENS]
     assert len(bench) == 24
+    # rows fed to the forwards over the levels: every request's decode rows (its first token, its steps' pending
+    # tokens and verified drafts), plus at most its prompt (less where the prefix cache had it)
+    fed = sum(r["engine_steps"] * r["rows_per_step"] for r in rows)
+    decode_rows = sum(1 + s["steps"] + s["num_draft_tokens"] for s in bench)
+    prompts = sum(len(s.prompt_token_ids) - 1 for m, s in streams if m == MAX_TOKENS)
+    assert decode_rows <= round(fed) <= decode_rows + prompts
     drafts = sum(r["drafts"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     draft_tokens = sum(r["draft_tokens"] for r in rows)

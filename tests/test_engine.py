@@ -285,6 +285,48 @@ def test_engine_reports_every_forward_to_the_policy(tiny):
     assert sum(t for t, _, _ in seen[1:]) == out.stats["steps"] + out.stats["num_draft_tokens"]
 
 
+def test_step_clock_counts_every_forward_and_splits_each_step_by_phase(tiny):
+    """What /metrics publishes as verispec:engine_step* (engine/counters.py), against the forwards counted and
+    timed from outside the engine: one step per forward, the rows fed to them, forward seconds equal to the
+    runner's, drafting equal to the drafters' own time, and the phases adding up to the step's wall time."""
+    import time
+
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    eng = llm.engine
+    forwards, walls, run, step = [], [], eng.runner.run, eng.step
+
+    def timed_run(blocks, recorded):
+        t = time.perf_counter()
+        out = run(blocks, recorded)
+        forwards.append((sum(len(b.tokens) for b in blocks), time.perf_counter() - t))
+        return out
+
+    def timed_step():
+        t = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - t)
+
+    new_drafter = eng.drafters.new
+
+    def slow_drafter(*a, **kw):  # drafting that takes a visible share of the step
+        d = new_drafter(*a, **kw)
+        propose = d.propose
+        d.propose = lambda *pa, **pk: (time.sleep(0.003), propose(*pa, **pk))[1]
+        return d
+
+    eng.runner.run, eng.step, eng.drafters.new = timed_run, timed_step, slow_drafter
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], _params()[:4], use_tqdm=False)
+    c = eng.clock
+    assert c.steps == len(forwards) > 0 and c.forward_tokens == sum(n for n, _ in forwards)
+    assert c.forward_tokens == sum(len(p) for p in PROMPTS[:4]) + sum(
+        o.stats["steps"] + o.stats["num_draft_tokens"] for o in outs)  # prompts, then each step's pending + drafts
+    assert c.seconds["forward"] == pytest.approx(sum(s for _, s in forwards), rel=0.05, abs=1e-3)
+    assert c.seconds["draft"] == pytest.approx(sum(o.stats["draft_s"] for o in outs), abs=1e-6)
+    assert sum(c.seconds.values()) == pytest.approx(sum(walls), rel=0.05, abs=2e-3)
+    assert min(c.seconds.values()) > 0 and c.seconds["draft"] > 0.1 * sum(walls)
+
+
 def test_policy_weighs_drafts_against_the_decode_rows_only(tiny):
     """A prefill chunk sharing the step must not make drafts look free: the policy's base is one token per decoding
     request, whatever prompt tokens the same forward computes."""

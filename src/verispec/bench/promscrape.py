@@ -12,6 +12,10 @@ vLLM's `engine` / `model_name`, are summed):
   (accepted / drafted). Names as in SGLang's `python/sglang/srt/metrics/collector.py`. A gauge has no delta: a
   level reports the value read at its end (and the mean of values sampled during it, where the sweep sampled).
 
+verispec also exports its step clock (`verispec:engine_steps_total`, `verispec:engine_forward_tokens_total`,
+`verispec:engine_step_seconds_total{phase}`): a level's deltas give its steps, rows per step and ms per step by
+phase.
+
 Definitions (MEASURE.md): tau (mean acceptance length) = 1 + accepted / drafts, where drafts = verification steps
 that checked at least one draft token; acceptance rate = accepted / draft tokens; per-position acceptance =
 accepted at position i / drafts (vLLM's convention: the share of steps whose draft was accepted up to i).
@@ -34,6 +38,8 @@ CONFIG_INFO = "verispec:engine_config_info"  # which weight path ran, on which C
 BUSY_GAUGES = {"verispec:num_requests_running", "verispec:num_requests_waiting", "vllm:num_requests_running",
                "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs"}
 QUEUE_HISTOGRAMS = {"verispec:request_queue_time_seconds", "vllm:request_queue_time_seconds"}  # arrival -> admission
+STEPS, STEP_SECONDS, FORWARD_TOKENS = "verispec:engine_steps", "verispec:engine_step_seconds", \
+    "verispec:engine_forward_tokens"  # verispec's step clock (engine/counters.py)
 
 
 @dataclass
@@ -49,6 +55,7 @@ class SpecSnapshot:
     busy: float | None = None  # requests running + waiting, where the server exports them
     config: dict[str, str] = field(default_factory=dict)  # verispec's engine_config_info labels: path, CPU flags
     queue: tuple[float, float] | None = None  # (sum of seconds, count) of the queue-time histogram, where exported
+    steps: dict[str, float] = field(default_factory=dict)  # verispec: "steps", "tokens" and seconds per phase
 
 
 def _counter_name(sample_name: str) -> str:
@@ -64,6 +71,7 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     busy: float | None = None
     config: dict[str, str] = {}
     queue = [0.0, 0.0, False]  # sum, count, seen
+    steps: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == CONFIG_INFO:
@@ -75,6 +83,10 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
             if s.name in BUSY_GAUGES:
                 busy = (busy or 0.0) + s.value
             name = _counter_name(s.name)
+            if name in (STEPS, FORWARD_TOKENS):
+                steps["steps" if name == STEPS else "tokens"] = s.value
+            elif name == STEP_SECONDS and "phase" in s.labels:
+                steps[s.labels["phase"]] = s.value
             prefix, _, short = name.partition(":")
             if prefix in FAMILIES:
                 snap = found[prefix]
@@ -97,9 +109,9 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     q = (queue[0], queue[1]) if queue[2] else None
     for f in (*FAMILIES, "sglang"):
         if f in seen:
-            found[f].busy, found[f].config, found[f].queue = busy, config, q
+            found[f].busy, found[f].config, found[f].queue, found[f].steps = busy, config, q, steps
             return found[f]
-    return SpecSnapshot(busy=busy, config=config, queue=q)
+    return SpecSnapshot(busy=busy, config=config, queue=q, steps=steps)
 
 
 def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
@@ -115,6 +127,8 @@ def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
         n = after.queue[1] - before.queue[1]
         out["queue_mean_s"] = (after.queue[0] - before.queue[0]) / n if n > 0 else nan
         out["queued_requests"] = n
+    if before is not None and after is not None:
+        out.update(_step_delta(before.steps, after.steps))
     if before is None or after is None or after.family is None:
         return out
     out["spec_source"] = after.family
@@ -157,3 +171,16 @@ async def scrape(http: Any, url: str, timeout: float = 10.0) -> SpecSnapshot | N
         return parse_spec_metrics(r.text)
     except ValueError:  # not Prometheus text
         return None
+
+
+def _step_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """verispec's step clock over a level: steps, rows per step, and ms per step in all and by phase."""
+    n = after.get("steps", 0.0) - before.get("steps", 0.0)
+    if n <= 0:
+        return {}
+    out = {"engine_steps": n, "rows_per_step": (after.get("tokens", 0.0) - before.get("tokens", 0.0)) / n}
+    phases = [k for k in after if k not in ("steps", "tokens")]
+    per = {p: (after[p] - before.get(p, 0.0)) / n * 1e3 for p in phases}
+    out["step_ms"] = sum(per.values())
+    out.update({f"step_{p}_ms": v for p, v in per.items()})
+    return out

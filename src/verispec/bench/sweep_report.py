@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from verispec.bench.report import Report, Table, median, percentile
 from verispec.bench.sweep_types import Level, LevelResult
+from verispec.engine.counters import PHASES
 
 PCTS = (50, 95, 99)
 
@@ -65,6 +66,8 @@ def summarize(res: LevelResult, slo: tuple[float | None, float | None, float | N
                 "drafts": s.get("drafts", float("nan")), "draft_tokens": s.get("draft_tokens", float("nan")),
                 "accepted": s.get("accepted", float("nan")),
                 "queue_mean_ms": s.get("queue_mean_s", float("nan")) * 1e3})
+    for key in ("engine_steps", "rows_per_step", "step_ms", *(f"step_{p}_ms" for p in PHASES)):
+        row[key] = s.get(key, float("nan"))
     compared = [r for r in ok if r.identical is not None]
     row["identity"] = sum(r.identical for r in compared) / len(compared) if compared else float("nan")
     row["identity_n"] = len(compared)
@@ -292,6 +295,11 @@ def _notes(args: argparse.Namespace, results: dict[str, list[LevelResult]], ref:
         "over the requests admitted during the level (the delta of verispec:/vllm:request_queue_time_seconds); "
         "NaN where the server exports no such histogram. Time to response headers is what a client sees of it: "
         "servers that send headers before scheduling (verispec, vLLM) make it an upper bound on admission.",
+        "Step clock (verispec servers): engine_steps, rows_per_step (rows fed to the target forward) and step_ms, "
+        "the mean wall time of a step, in all and by phase (schedule: admission, planning, policy; draft; forward; "
+        "commit: verification, KV, tokens out), from the deltas of verispec:engine_steps / "
+        "engine_forward_tokens / engine_step_seconds over the level. Two servers doing the same work per step "
+        "should match here; where they do not, the phase says where.",
     ]
 
 

@@ -65,6 +65,9 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, found cached (not prefilled)
     num_preemptions: int = 0  # requests preempted (KV blocks ran out), to be recomputed
+    engine_steps: int = 0  # steps that ran a forward
+    forward_tokens: int = 0  # rows fed to those forwards (decode blocks with their drafts, prefill chunks)
+    step_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds, summed (engine/counters.py)
 
 
 class RequestStream:
@@ -199,7 +202,8 @@ class BackgroundEngine:
             kv_tokens=e.kv_tokens(), num_drafts=c.num_drafts, num_draft_tokens=c.num_draft_tokens,
             num_accepted_tokens=c.num_accepted_tokens, accepted_per_pos=list(c.accepted_per_pos),
             num_finished=e.num_finished, prefix_cache_queries=e.cache.prefix_queries,
-            prefix_cache_hits=e.cache.prefix_hits, num_preemptions=e.num_preemptions)
+            prefix_cache_hits=e.cache.prefix_hits, num_preemptions=e.num_preemptions,
+            engine_steps=e.clock.steps, forward_tokens=e.clock.forward_tokens, step_seconds=dict(e.clock.seconds))
         with self._lock:
             self._snapshot = snap
 

@@ -20,13 +20,14 @@ import logging
 import time
 from os.path import commonprefix
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
 from verispec.engine.admission import admission_blocks, fits_alone, step_blocks
 from verispec.engine.costs import AcceptanceEstimator
+from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
@@ -63,35 +64,6 @@ class EngineConfig:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
 
 
-@dataclass(frozen=True)
-class StepTiming:
-    """Seconds of one step that every decoding request in it shares."""
-
-    sched_s: float  # planning and policy decisions (drafting excluded)
-    forward_s: float  # the batched target forward
-
-
-@dataclass
-class SpecCounters:
-    """Engine-wide speculative counters (vLLM's spec_decode_* metrics)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        while len(self.accepted_per_pos) < drafted:
-            self.accepted_per_pos.append(0)
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-
-
 class Engine:
     def __init__(
         self,
@@ -113,6 +85,7 @@ class Engine:
         self.waiting: deque[tuple[Request, TokenCallback | None]] = deque()
         self.running: list[LiveRequest] = []
         self.counters = SpecCounters()
+        self.clock = StepClock()
         self.num_finished = 0
         self.num_preemptions = 0
         self._preempted: dict[str, LiveRequest] = {}  # request id -> its state while it waits to be readmitted
@@ -185,8 +158,9 @@ class Engine:
         blocks = self._blocks(plan)
         recorded = record_layers([lv.req for lv in plan.decode] + [c.live.req for c in plan.prefill])
         out = self.runner.run(blocks, recorded)
-        timing = StepTiming(sched_s=t_forward - t_start - sum(lv.draft_s for lv in plan.decode),
-                            forward_s=time.perf_counter() - t_forward)
+        t_out = time.perf_counter()
+        draft_s = sum(lv.draft_s for lv in plan.decode)
+        timing = StepTiming(sched_s=t_forward - t_start - draft_s, forward_s=t_out - t_forward)
         if not plan.prefill:  # what the policies ask the costs about: decode rows and their drafts alone
             self.policy.observe_step(sum(len(b.tokens) for b in blocks), len(blocks), timing.forward_s)
         self._commit_prefill(plan, out)
@@ -198,6 +172,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - only this request fails; the batch goes on
                 self._fail_request(lv, exc)
         self._reap()
+        self.clock.record(sum(len(b.tokens) for b in blocks), schedule=max(0.0, timing.sched_s), draft=draft_s,
+                          forward=timing.forward_s, commit=time.perf_counter() - t_out)
 
     def _fail_request(self, lv: LiveRequest, exc: Exception) -> None:
         """Verifying or committing one request failed (e.g. its sampling): it alone finishes with "error" and the

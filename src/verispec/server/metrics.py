@@ -37,8 +37,17 @@ class EngineCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted when KV blocks ran out (recomputed later).", s.num_preemptions),
+            ("engine_steps", "Engine steps that ran a target forward.", s.engine_steps),
+            ("engine_forward_tokens", "Rows fed to the target forwards (decode tokens, drafts, prefill chunks).",
+             s.forward_tokens),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        phases = CounterMetricFamily(PREFIX + "engine_step_seconds", "Seconds of the engine's steps, by phase: "
+                                     "schedule (admission, planning, policy), draft, forward, commit (verification, "
+                                     "KV, tokens out).", labels=["phase"])
+        for phase, sec in s.step_seconds.items():
+            phases.add_metric([phase], sec)
+        yield phases
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft (0 = first).",
                                       labels=["position"])
