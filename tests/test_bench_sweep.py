@@ -240,7 +240,7 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
         args = parse(["--endpoint", url + "/v1", "--concurrency", "1,4", "--request-rate", "20",
                       "--requests-per-level", "8", "--max-tokens", str(MAX_TOKENS), "--ignore-eos",
                       "--workloads", f"{work},code", "--no-progress", "--out", str(out),
-                      "--max-seconds-per-level", "60", "--slo-ttft", "30"])
+                      "--max-seconds-per-level", "60", "--slo-ttft", "30", "--warmup-requests", "3"])
         t = time.monotonic()
         assert run_sweep(args) == 0
         took = time.monotonic() - t
@@ -280,14 +280,17 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert rows[0]["max_in_flight"] == 1
 
     # /metrics deltas over the levels == the engine's per-request accounting of those requests == its counters
-    bench = [s.stats for m, s in streams if m == MAX_TOKENS]
-    probe = [s.stats for m, s in streams if m != MAX_TOKENS]
-    assert len(bench) == 24
+    measured = [s for m, s in streams if m == MAX_TOKENS]
+    warm, measured = measured[:3], measured[3:]  # the warm-up's 3 requests come first, and are in no level
+    bench = [s.stats for s in measured]
+    probe = [s.stats for m, s in streams if m != MAX_TOKENS] + [s.stats for s in warm]
+    assert len(bench) == 24 and all(s.stats["output_tokens"] == MAX_TOKENS for s in warm)
+    assert any(n.startswith("Warm-up: 3 requests per endpoint") for n in rep["notes"])
     # rows fed to the forwards over the levels: every request's decode rows (its first token, its steps' pending
     # tokens and verified drafts), plus at most its prompt (less where the prefix cache had it)
     fed = sum(r["engine_steps"] * r["rows_per_step"] for r in rows)
     decode_rows = sum(1 + s["steps"] + s["num_draft_tokens"] for s in bench)
-    prompts = sum(len(s.prompt_token_ids) - 1 for m, s in streams if m == MAX_TOKENS)
+    prompts = sum(len(s.prompt_token_ids) - 1 for s in measured)
     assert decode_rows <= round(fed) <= decode_rows + prompts
     drafts = sum(r["drafts"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
@@ -299,10 +302,10 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert accepted == snap1.num_accepted_tokens - snap0.num_accepted_tokens - sum(
         s["num_accepted_tokens"] for s in probe)
     assert drafts <= snap1.num_drafts - snap0.num_drafts
-    assert drafts == sum(s._req.spec.drafted_at[0] for m, s in streams if m == MAX_TOKENS)
+    assert drafts == sum(s._req.spec.drafted_at[0] for s in measured)
     pos_table = next(t["rows"] for t in rep["tables"] if t["title"] == "Per-position acceptance")
     per_pos = [sum(r[f"accepted_pos{i}"] for r in pos_table) for i in range(3)]
-    assert per_pos == [sum(s._req.spec.accepted_at[i] for m, s in streams if m == MAX_TOKENS) for i in range(3)]
+    assert per_pos == [sum(s._req.spec.accepted_at[i] for s in measured) for i in range(3)]
     for row in rows:
         assert row["tau"] == pytest.approx(1 + row["accepted"] / row["drafts"]) and row["tau"] > 1.5
     # the report says which weight path the server ran, read from its /metrics (the tiny target runs fp32)

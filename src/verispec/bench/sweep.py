@@ -85,6 +85,11 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every level this many times (ratios: median and min..max over repeats)")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="before the first level, send each endpoint this many requests (the pool's prompts in "
+                        "order, as many at once as the highest concurrency level), not measured: a fresh server's "
+                        "first level otherwise carries its cold start (empty prefix cache, first allocations) "
+                        "(default: %(default)s)")
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, seconds")
     p.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on E2E latency, seconds")
@@ -309,6 +314,7 @@ async def _sweep(args: argparse.Namespace) -> int:
     load = MachineLoad()
     try:
         await _probe(clients, pool, args, say)
+        await _warm_up(clients, pool, levels, args, say)
         load.start()
         results = await _run_levels(clients, pool, levels, args, say)
         load.stop()
@@ -337,6 +343,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--requests-per-level must be >= 1")
     if args.max_seconds_per_level <= 0 or args.grace_seconds < 0:
         raise ValueError("need --max-seconds-per-level > 0 and --grace-seconds >= 0")
+    if args.warmup_requests < 0:
+        raise ValueError("--warmup-requests must be >= 0")
 
 
 def _clients(args: argparse.Namespace, levels: Sequence[Level]) -> list[Any]:
@@ -364,6 +372,21 @@ async def _probe(clients: Sequence[Any], pool: Sequence[Any], args: argparse.Nam
         caps = await c.probe(pool[0], timeout=args.probe_timeout)
         say(f"{c.label}: {c.base}, model {model!r}, token counts from {caps.token_source}"
             + (f" ({caps.note})" if caps.note else ""))
+
+
+async def _warm_up(clients: Sequence[Any], pool: Sequence[Any], levels: Sequence[Level], args: argparse.Namespace,
+                   say: Any) -> None:
+    """--warmup-requests: a closed-loop level per endpoint that is run and dropped (failures are said, not fatal)."""
+    n = args.warmup_requests
+    if not n:
+        return
+    conc = max([int(lv.value) for lv in levels if lv.mode == "concurrency"] + [1])
+    warm = Level("concurrency", min(conc, n), n)
+    for c in clients:
+        res = await run_level(c, pool, warm, max_seconds=args.max_seconds_per_level, grace=args.grace_seconds,
+                              max_tokens=args.max_tokens, seed=args.seed, metrics=False, progress=False)
+        ok = sum(r.ok for r in res.records)
+        say(f"{c.label}: warm-up, {ok}/{len(res.records)} requests ok in {res.duration_s:.1f} s (not measured)")
 
 
 async def _run_levels(clients: Sequence[Any], pool: Sequence[Any], levels: Sequence[Level],

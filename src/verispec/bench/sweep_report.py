@@ -282,6 +282,8 @@ def _notes(args: argparse.Namespace, results: dict[str, list[LevelResult]], ref:
         f"every level sends prompt i mod {len(pool)}; max_tokens {args.max_tokens or 'per prompt'}; temperature "
         f"{args.temperature:g}{'; ignore_eos' if args.ignore_eos else ''}.",
         "Goodput SLOs: " + (slo_txt if slo_txt else "none given, so goodput = request/s") + ".",
+        (f"Warm-up: {args.warmup_requests} requests per endpoint before the first level, not measured."
+         if args.warmup_requests else "Warm-up: none (the first level of a fresh server includes its cold start)."),
         f"Identity: share of completed requests whose output equals the same prompt's output at {ref.name} "
         "(repeat 1) of the same endpoint; compared as token ids where the server returns them, else as text "
         "(first divergence then in characters). At temperature > 0 it measures nothing.",
