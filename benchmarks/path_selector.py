@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tree_acceptance import replay  # noqa: E402
 

@@ -22,7 +22,6 @@ def ece(probs: torch.Tensor, outcomes: torch.Tensor, bins: int = 10) -> float:
     if p.numel() == 0:
         return 0.0
     idx = (p * bins).long().clamp(0, bins - 1)  # [N]
-    count = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(p))
     sum_p = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, p)
     sum_y = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, y)
     return float((sum_p - sum_y).abs().sum() / p.numel())  # n_b/N * |sum_p/n_b - sum_y/n_b|
