@@ -169,6 +169,14 @@ def test_finalize_and_summary_percentiles_by_hand() -> None:
     (ratio,) = ratio_rows(spec, base)
     assert ratio["ratio_out_tok"] == 2.0 and ratio["ratio_out_tok_range"] == "2..2"
     assert ratio["speedup_tpot_p50_ms"] == pytest.approx((1 + 2) / 2) and ratio["speedup_tpot_p50_ms_range"] == "1..2"
+    # a hand-built row has no step clock: NaN; with it, steps saved (60 -> 40 and 60 -> 50) and ms per step paid
+    assert math.isnan(ratio["speedup_engine_steps"])
+    spec = [dict(row, repeat=1, engine_steps=40, step_ms=12.0), dict(row, repeat=2, engine_steps=50, step_ms=10.0)]
+    base = [dict(row, repeat=1, engine_steps=60, step_ms=10.0), dict(row, repeat=2, engine_steps=60, step_ms=10.0)]
+    (ratio,) = ratio_rows(spec, base)
+    assert ratio["speedup_engine_steps"] == pytest.approx((1.5 + 1.2) / 2)
+    assert ratio["speedup_engine_steps_range"] == "1.2..1.5"
+    assert ratio["speedup_step_ms"] == pytest.approx((10 / 12 + 1) / 2)
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
@@ -200,8 +208,8 @@ def test_chunk_reader_counts_tokens_by_each_source() -> None:
     assert r.chunk_tokens == [1, 3, 1] and rd.final_usage == 5 and r.prompt_tokens == 9
     assert rd.seen["usage_chunks"] == 4
     # no counts from the server: one token per chunk with text; empty content is not output
-    r, rd = _read("chunks", [role, {"choices": [{"delta": {"content": "x"}}]}, {"choices": [{"delta": {"content": ""}}]},
-                             {"choices": [{"delta": {"content": "yz"}}]}])
+    delta = lambda text: {"choices": [{"delta": {"content": text}}]}  # noqa: E731
+    r, rd = _read("chunks", [role, delta("x"), delta(""), delta("yz")])
     assert r.chunk_tokens == [1, 1] and rd.chunk_times == [1.0, 3.0] and rd.ids == []
 
 

@@ -127,7 +127,8 @@ def ratio_rows(spec: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
     """Per level: spec / baseline for throughputs, baseline / spec for latencies (so > 1 means speculation
     helps), as the median and min..max over repeats of per-repeat ratios."""
     keys = [("out_tok_per_s", False), ("req_per_s", False), ("goodput_req_per_s", False),
-            ("tpot_p50_ms", True), ("ttft_p50_ms", True), ("e2e_p50_s", True), ("itl_p50_ms", True)]
+            ("tpot_p50_ms", True), ("ttft_p50_ms", True), ("e2e_p50_s", True), ("itl_p50_ms", True),
+            ("engine_steps", True), ("step_ms", True)]  # verispec's step clock: what speculation saves, what it costs
     by_level: dict[str, dict[int, tuple[dict, dict]]] = {}
     for s in spec:
         by_level.setdefault(s["level"], {})[s["repeat"]] = (s, {})
@@ -323,7 +324,11 @@ def _tables(rows: list[dict], results: dict[str, list[LevelResult]], clients: Se
         tables.append(Table(f"{clients[0].label} against {clients[1].label}, per level",
                             ratio_rows(spec_rows, base_rows),
                             "ratio_* = method / baseline (throughput), speedup_* = baseline / method (latency): "
-                            "> 1 means speculation helps. Median over repeats, min..max when more than one."))
+                            "> 1 means speculation helps. Median over repeats, min..max when more than one. "
+                            "Against verispec servers, speedup_engine_steps (baseline steps / method steps: the "
+                            "steps speculation saved) times speedup_step_ms (baseline ms per step / method's: what "
+                            "its steps cost, including any difference between the two server processes) is about "
+                            "ratio_out_tok when the levels' wall time is their steps."))
     pos_rows = _position_rows(results)
     if pos_rows:
         tables.append(Table("Per-position acceptance", pos_rows,
