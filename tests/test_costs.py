@@ -90,8 +90,33 @@ def test_measured_costs_are_the_least_squares_line_and_never_fall():
     assert all(a <= b for a, b in zip(costs, costs[1:]))
     falling = MeasuredStepCosts(prior, decay=0.0)
     falling.observe(10, 2, 50.0)
-    falling.observe(20, 2, 40.0)  # measured cheaper at more tokens: flat, never falling
-    assert falling(10, 2) == falling(30, 2) == 45.0
+    falling.observe(20, 2, 40.0)  # measured cheaper at more tokens: never falling, and rising at least at half the
+    # profile's 1 s per token, through the measured mean (15 tokens, 45 s)
+    assert math.isclose(falling(10, 2), 42.5) and math.isclose(falling(30, 2), 52.5)
+    assert all(a < b for a, b in zip([falling(n, 2) for n in range(1, 40)], [falling(n, 2) for n in range(2, 41)]))
+
+
+def test_one_cheap_step_does_not_make_extra_tokens_look_free():
+    """A batch of 8 decodes at 8 tokens for a while (20 s each: 2.5 s per token, as profiled); one step with a draft
+    (9 tokens) happens to take 19 s. The least-squares line alone would make every extra token free (slope 0); the
+    estimate keeps half the profile's cost per token, so a draft surviving half the time does not look like it pays."""
+    prior = StepCosts(CostTable((1, 8, 16), (2.5, 20.0, 40.0)))
+
+    def measured(min_slope: float) -> MeasuredStepCosts:
+        m = MeasuredStepCosts(prior, min_slope=min_slope)
+        for _ in range(30):
+            m.observe(8, 8, 20.0)
+        m.observe(9, 8, 19.0)
+        return m
+
+    m = measured(0.5)
+    extra = m(9, 8) - m(8, 8)
+    assert math.isclose(extra, 0.5 * 2.5)
+    policy = DSparkPolicy(m, margin=0.0)
+    cands = [Candidate(1, AcceptanceEstimator(prior=0.5), confidences=False) for _ in range(8)]
+    # (8 + 0.5) / (20 + 1.25) < 8 / 20: nothing admitted (the line alone: (8 + 0.5) / 20, everything admitted)
+    assert policy.draft_lengths(cands, 8) == [0] * 8
+    assert DSparkPolicy(measured(0.0), margin=0.0).draft_lengths(cands, 8) == [1] * 8
 
 
 def test_a_profile_that_underrates_verification_stops_misleading_dspark():

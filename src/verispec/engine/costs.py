@@ -57,15 +57,17 @@ class StepCosts:
 class MeasuredStepCosts:
     """The profiled step costs corrected by the engine's own forwards. Per number of sequences in the forward, each
     token count the engine ran keeps an exponential average of its measured seconds; once two or more token counts
-    are measured, a query reads the least-squares line through them (slope at least 0: costs never fall as tokens
-    grow, and one noisy step cannot make the next token look free); with one, the profile's shape through it; with
-    none, the profile. A profile taken while the machine was busy, or at other contexts and batch shapes than the
+    are measured, a query reads the least-squares line through them, its slope at least `min_slope` times the
+    profile's over the same token counts (costs never fall as tokens grow, and one noisy step at a token count
+    measured once cannot make extra tokens look free: at a busy batch that made drafts look like they paid until
+    the next measurements said otherwise); with one, the profile's shape through it; with none, the profile. A profile taken while the machine was busy, or at other contexts and batch shapes than the
     ones served, stops misleading the policy after a few steps: the token counts where verification was underrated
     are the ones the policy runs, so over-speculation corrects itself."""
 
     prior: StepCosts
     decay: float = 0.8  # weight of the old average at each measured forward
     clamp: tuple[float, float] = (0.2, 5.0)  # one forward counts within these multiples of the current estimate
+    min_slope: float = 0.5  # the fitted line's cost per token is at least this fraction of the profile's
     points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> measured seconds
     # segments -> (intercept, slope, floor) of the fitted line, None below two measured token counts
     _lines: dict[int, tuple[float, float, float] | None] = field(default_factory=dict, init=False)
@@ -92,7 +94,9 @@ class MeasuredStepCosts:
                 n = len(pts)
                 mt, mv = sum(pts) / n, sum(pts.values()) / n
                 var = sum((t - mt) ** 2 for t in pts)
-                b = max(0.0, sum((t - mt) * (v - mv) for t, v in pts.items()) / var)
+                lo, hi = min(pts), max(pts)
+                floor_b = self.min_slope * (self.prior(hi, segments) - self.prior(lo, segments)) / (hi - lo)
+                b = max(0.0, floor_b, sum((t - mt) * (v - mv) for t, v in pts.items()) / var)
                 line = (mv - b * mt, b, 0.1 * min(pts.values()))
             self._lines[segments] = line
         return self._lines[segments]
