@@ -118,6 +118,20 @@ def test_parts_merged_equal_the_single_run(llm, tmp_path):
                   shard_size=3, layers=[1, 2], progress=False, part=(1, 3))
     with pytest.raises(ValueError, match="different settings"):
         merge_parts(str(tmp_path / "mixed"), [str(tmp_path / "part0"), str(tmp_path / "other")])
+    # parts of both capture modes join: each part's sequences as it wrote them (a prefill-captured response keeps
+    # its last token's state, a generation-captured one leaves that token out)
+    gen(llm, tmp_path / "pre0", part=(0, 3), capture="prefill")
+    both = merge_parts(str(tmp_path / "both"), [str(tmp_path / d) for d in ("pre0", "part1", "part2")])
+    assert both["capture"] == "mixed" and both["shards"] == [0, 1, 2, 3]
+    parts = {d: load_all(tmp_path / d) for d in ("pre0", "part1", "part2")}
+    expect = parts["pre0"][:3] + parts["part1"] + parts["part2"] + parts["pre0"][3:]  # shards 0, 1, 2, 3
+    got = load_all(tmp_path / "both")
+    assert len(got) == 10 and [len(x.ids) for x in got] == [len(x.ids) for x in expect]
+    assert any(len(a.ids) == len(b.ids) + 1 for a, b in zip(parts["pre0"], load_all(tmp_path / "part0")))
+    for x, y in zip(got, expect):
+        assert torch.equal(x.ids, y.ids) and torch.equal(x.hidden[2], y.hidden[2])
+    with pytest.raises(ValueError, match="different capture modes"):
+        gen(llm, tmp_path / "both")
     assert parse_part("2/4") == (2, 4)
     for bad in ("4/4", "x", "1/0"):
         with pytest.raises(ValueError, match="--part"):

@@ -28,6 +28,7 @@ _FIXED = ("model", "layers", "sources", "modes", "max_tokens", "temperature", "s
           "responder", "quantization", "capture")
 _DEFAULTS = {"responder": "local", "quantization": None, "capture": "prefill"}  # data written before the key existed
 CAPTURES = ("auto", "generation", "prefill")
+MIXED = "mixed"  # the capture of a directory merged from parts of both modes
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -178,6 +179,9 @@ def _capture_mode(capture: str, endpoint, out: Path) -> str:
     if capture == "generation" and endpoint is not None:
         raise ValueError("capture='generation' needs the local engine; responses from an endpoint are captured in "
                          "a batched prefill (capture='prefill')")
+    if (out / "meta.json").exists() and read_meta(out).get("capture") == MIXED:
+        raise ValueError(f"{out} was merged from parts of different capture modes and is not extended; write a new "
+                         "part into its own directory and merge it in")
     if capture != "auto":
         return capture
     if (out / "meta.json").exists():
@@ -270,9 +274,12 @@ def _write(out: Path, i: int, model, prompts: list[list[int]], responses: list[l
 
 def merge_parts(out_dir: str, parts: list[str]) -> dict:
     """Join the directories of a data run split over machines (`--part i/n`) into one: the settings must agree,
-    each shard comes from one part only; shards are hard-linked where the file system allows, else copied."""
+    each shard comes from one part only; shards are hard-linked where the file system allows, else copied. Parts
+    may differ in capture mode: every shard holds the states at exactly the positions its sequences keep (a
+    generation-captured response leaves out its last, never-fed token), so their sequences mix; the joined
+    directory's capture is then "mixed", and it is not extended by `train data` (write a new part and merge)."""
     metas = [read_meta(p) for p in parts]
-    diff = sorted({k for m in metas[1:] for k in _FIXED if m.get(k, _DEFAULTS.get(k)) !=
+    diff = sorted({k for m in metas[1:] for k in _FIXED if k != "capture" and m.get(k, _DEFAULTS.get(k)) !=
                    metas[0].get(k, _DEFAULTS.get(k))})
     if diff:
         raise ValueError(f"the parts were made with different settings ({', '.join(diff)}): they are not one data set")
@@ -291,7 +298,9 @@ def merge_parts(out_dir: str, parts: list[str]) -> dict:
                 os.link(Path(p) / shard_name(s), dst)
             except OSError:
                 shutil.copyfile(Path(p) / shard_name(s), dst)
-    meta = {**metas[0], "shards": sorted(owner), "part": [0, 1], "merged_from": [str(p) for p in parts]}
+    captures = {m.get("capture", _DEFAULTS["capture"]) for m in metas}
+    meta = {**metas[0], "shards": sorted(owner), "part": [0, 1], "merged_from": [str(p) for p in parts],
+            "capture": captures.pop() if len(captures) == 1 else MIXED}
     for k in ("num_sequences", "tokens", "response_tokens", "generate_s", "capture_s"):
         meta[k] = round(sum(m.get(k, 0) for m in metas), 1)
     write_meta(out, meta)
