@@ -290,7 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec.server.app import create_app, run_server
 
     # by default the paged KV cache holds max-num-seqs full-length requests, at most 4 GiB (a 2048-token default
-    # keeps 16 near 1.5 GB on CPU); --kv-cache-memory-bytes sizes it by memory (requests then share it, preempted when it is full)
+    # keeps 16 near 1.5 GB on CPU); --kv-cache-memory-bytes sizes it by memory (requests then share it, preempted
+    # when it is full)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
               speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
               scheduler=args.scheduler, quantization=args.quantization, invariant=args.invariant,

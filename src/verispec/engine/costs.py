@@ -60,9 +60,10 @@ class MeasuredStepCosts:
     are measured, a query reads the least-squares line through them, its slope at least `min_slope` times the
     profile's over the same token counts (costs never fall as tokens grow, and one noisy step at a token count
     measured once cannot make extra tokens look free: at a busy batch that made drafts look like they paid until
-    the next measurements said otherwise); with one, the profile's shape through it; with none, the profile. A profile taken while the machine was busy, or at other contexts and batch shapes than the
-    ones served, stops misleading the policy after a few steps: the token counts where verification was underrated
-    are the ones the policy runs, so over-speculation corrects itself."""
+    the next measurements said otherwise); with one, the profile's shape through it; with none, the profile. A
+    profile taken while the machine was busy, or at other contexts and batch shapes than the ones served, stops
+    misleading the policy after a few steps: the token counts where verification was underrated are the ones the
+    policy runs, so over-speculation corrects itself."""
 
     prior: StepCosts
     decay: float = 0.8  # weight of the old average at each measured forward
@@ -177,7 +178,8 @@ class AcceptanceEstimator:
         if tokens <= 0:
             return
         per_tok = draft_s / tokens
-        self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per_tok if self.draft_cost_per_token else per_tok
+        old = self.draft_cost_per_token
+        self.draft_cost_per_token = 0.8 * old + 0.2 * per_tok if old else per_tok
 
     def update(self, drafted: int, accepted: int) -> None:
         """`drafted` draft tokens were verified and `accepted` of them accepted (drafting time comes separately,
