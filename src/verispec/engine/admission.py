@@ -10,6 +10,7 @@ output so far (through the prefix cache where its prompt blocks are still cached
 
 from __future__ import annotations
 
+from os.path import commonprefix
 from typing import Callable, Sequence
 
 from verispec.engine.plan import LiveRequest, plan_step
@@ -39,3 +40,14 @@ def fits_alone(req: Request, cache: PagedKVCache) -> bool:
     """Whether the request could ever run: its longest sequence in an otherwise empty pool."""
     return -(-min(len(req.prompt_ids) + req.params.max_tokens, cache.max_len) // cache.block_size) \
         <= cache.pool.num_blocks
+
+
+def prefix_pending(prompt: list[int], running: Sequence[LiveRequest], hit_blocks: int, block_size: int) -> bool:
+    """A running request is still prefilling full prompt blocks that `prompt` shares past its `hit_blocks` cache
+    hits: admitted now it would compute them again (requests sharing a system prompt that arrive together would all
+    miss); it waits until they are committed, and so cached."""
+    for lv in running:
+        shared = len(commonprefix([prompt, lv.req.prompt_ids])) // block_size * block_size
+        if shared > hit_blocks * block_size and lv.req.num_computed < shared:
+            return True
+    return False

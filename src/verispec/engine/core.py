@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from os.path import commonprefix
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
-from verispec.engine.admission import admission_blocks, fits_alone, step_blocks
+from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
@@ -161,8 +160,9 @@ class Engine:
         t_out = time.perf_counter()
         draft_s = sum(lv.draft_s for lv in plan.decode)
         timing = StepTiming(sched_s=t_forward - t_start - draft_s, forward_s=t_out - t_forward)
+        rows = sum(len(b.tokens) for b in blocks)
         if not plan.prefill:  # what the policies ask the costs about: decode rows and their drafts alone
-            self.policy.observe_step(sum(len(b.tokens) for b in blocks), len(blocks), timing.forward_s)
+            self.policy.observe_step(rows, len(blocks), timing.forward_s)
         self._commit_prefill(plan, out)
         for i, lv in enumerate(plan.decode):
             try:
@@ -172,8 +172,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - only this request fails; the batch goes on
                 self._fail_request(lv, exc)
         self._reap()
-        self.clock.record(sum(len(b.tokens) for b in blocks), schedule=max(0.0, timing.sched_s), draft=draft_s,
-                          forward=timing.forward_s, commit=time.perf_counter() - t_out)
+        self.clock.record(rows, schedule=max(0.0, timing.sched_s), draft=draft_s, forward=timing.forward_s,
+                          commit=time.perf_counter() - t_out)
 
     def _fail_request(self, lv: LiveRequest, exc: Exception) -> None:
         """Verifying or committing one request failed (e.g. its sampling): it alone finishes with "error" and the
@@ -358,29 +358,18 @@ class Engine:
         return step_blocks(self.running, self.cache, self.config.max_num_batched_tokens, self._limit)
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        """Cached blocks of the request's prompt it need not prefill: none for drafters that read the target's
-        hidden state at every prompt position (EAGLE-3, DFlash, DSpark) or a request that records them; never the
+        """Cached blocks of the request's prompt it need not prefill (none unless it `_shares_prefix`); never the
         last token's block."""
-        if not self.cache.prefix_caching or self._every_position(req):
-            return []
-        return self.cache.match(req.prompt_ids, len(req.all_ids) - 1)
+        return self.cache.match(req.prompt_ids, len(req.all_ids) - 1) if self._shares_prefix(req) else []
 
-    def _every_position(self, req: Request) -> bool:
-        """The request needs the target's hidden state at every position (a feature drafter, or it asked)."""
-        return bool(self.drafters.feature_layers or req.params.return_hidden_states)
+    def _shares_prefix(self, req: Request) -> bool:
+        """The request takes part in prefix caching: not when a drafter reads the target's hidden state at every
+        prompt position (EAGLE-3, DFlash, DSpark) or the request records them."""
+        return self.cache.prefix_caching and not (self.drafters.feature_layers or req.params.return_hidden_states)
 
     def _prefix_pending(self, req: Request, hit_blocks: int) -> bool:
-        """A running request is still prefilling full prompt blocks this one shares past its cache hits: admitted
-        now it would compute them again (requests sharing a system prompt that arrive together would all miss);
-        it waits until they are committed, and so cached."""
-        if not self.cache.prefix_caching or self._every_position(req):
-            return False
-        mine, B = req.prompt_ids[: len(req.all_ids) - 1], self.cache.block_size
-        for lv in self.running:
-            shared = len(commonprefix([mine, lv.req.prompt_ids])) // B * B
-            if shared > hit_blocks * B and lv.req.num_computed < shared:
-                return True
-        return False
+        return self._shares_prefix(req) and prefix_pending(req.prompt_ids[: len(req.all_ids) - 1], self.running,
+                                                           hit_blocks, self.cache.block_size)
 
     def _start(self, req: Request, cb: TokenCallback | None, hits: list[int]) -> None:
         """Give the request its sequence in the cache (starting past its prefix hits) and a new drafter; a
@@ -388,7 +377,7 @@ class Engine:
         p = req.params
         req.spec.lossy = self.rule.lossy and not p.greedy
         drafter = None
-        queried = len(req.prompt_ids) if self.cache.prefix_caching and not self._every_position(req) else 0
+        queried = len(req.prompt_ids) if self._shares_prefix(req) else 0
         try:
             req.slot = self.cache.allocate(req.prompt_ids, hits, queried)
             req.num_computed = self.cache.length(req.slot)

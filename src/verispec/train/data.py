@@ -179,13 +179,14 @@ def _capture_mode(capture: str, endpoint, out: Path) -> str:
     if capture == "generation" and endpoint is not None:
         raise ValueError("capture='generation' needs the local engine; responses from an endpoint are captured in "
                          "a batched prefill (capture='prefill')")
-    if (out / "meta.json").exists() and read_meta(out).get("capture") == MIXED:
+    own = read_meta(out).get("capture", _DEFAULTS["capture"]) if (out / "meta.json").exists() else None
+    if own == MIXED:
         raise ValueError(f"{out} was merged from parts of different capture modes and is not extended; write a new "
                          "part into its own directory and merge it in")
     if capture != "auto":
         return capture
-    if (out / "meta.json").exists():
-        return read_meta(out).get("capture", _DEFAULTS["capture"])
+    if own is not None:
+        return own
     return "prefill" if endpoint is not None else "generation"
 
 
