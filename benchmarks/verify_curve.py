@@ -8,6 +8,10 @@ interleaved (order rotated every repeat) so a noisy neighbour slows all of them 
 path `LLM(dtype="auto")` picks for plain decoding and for k = 8 drafts, from its profile of the linears.
 
     python benchmarks/verify_curve.py [--repeats 5] [--context 256] [--json OUT]     (about 2 minutes)
+
+`--bodies` also runs the gguf-q8act path once per matmul body verispec's kernel has built for this CPU (AVX2, and
+AVX-512 VNNI where the CPU has it), as rows `gguf-q8act[BODY]` interleaved with the rest, and checks that every
+body's logits are bitwise those of the body the kernel chose; `--paths` limits the paths (e.g. gguf-q8act).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from verispec.models import hub
 from verispec.models.llama import LlamaModel, Segment
 from verispec.models.loader import gguf_has_int4_linears, load_model, read_config, resolve
 
-MS = (1, 2, 4, 8, 16, 32)
+MS = (1, 2, 3, 4, 8, 16, 32)
 
 
 def forward_ms(model: LlamaModel, cache, slot: int, ids: torch.Tensor, context: int, m: int) -> float:
@@ -41,36 +45,74 @@ def forward_ms(model: LlamaModel, cache, slot: int, ids: torch.Tensor, context: 
     return ms
 
 
+def ids_for(cfg: ModelConfig, context: int) -> torch.Tensor:
+    return torch.arange(context + max(MS)) * 7 % cfg.vocab_size  # [context + max M]
+
+
+def check_same_logits(model: LlamaModel, lib, body: str, ids: torch.Tensor) -> None:
+    """The model's logits over a short prompt and a block of 8 after it, with `body` and with the chosen body:
+    bitwise equal, or the benchmark stops (it would be comparing two arithmetics)."""
+    outs = []
+    for b in (lib.body, body):
+        with lib.running(b):
+            cache = model.new_cache(64)
+            slot = cache.allocate()
+            model.prefill(ids[:40], cache, slot)
+            outs.append(model(ids[40:48], [Segment(slot, 40, 8)], cache, logits_indices=range(8)).logits)
+    if not torch.equal(outs[0], outs[1]):
+        raise SystemExit(f"the {body} body's logits differ from the {lib.body} body's: not the same arithmetic")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=hub.DEFAULT_MODEL)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bodies", action="store_true", help="gguf-q8act once per matmul body built here")
+    ap.add_argument("--paths", default=None, help="comma-separated path names (default: every candidate)")
     args = ap.parse_args()
     resolved = resolve(args.model, progress=False)
     cfg = ModelConfig.from_hf(read_config(resolved.directory))
     int4 = gguf_has_int4_linears(resolved)
     paths = candidates("cpu", int4)
+    if args.paths:
+        paths = [p for p in paths if p.name in args.paths.split(",")]
     models = {p.name: load_model(resolved, dtype=p.dtype, quantization=p.quantization, progress=False)[0]
               for p in paths}
+    bodies = {}  # row name -> (model name, body)
+    if args.bodies and "gguf-q8act" in models:
+        from verispec.execution.cpu_kernels import load
+
+        lib = load()
+        print(f"verispec's kernel: {lib.describe()}")
+        for b in lib.bodies:
+            if b != "portable":
+                bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", b)
+                check_same_logits(models["gguf-q8act"], lib, b, ids_for(cfg, args.context))
     for m in models.values():  # as the engine runs them: per-query attention where the linears are invariant
         m.batch_invariant = all(linears_row_invariant(m).values())
-    ids = torch.arange(args.context + max(MS)) * 7 % cfg.vocab_size  # [context + max M]
+    ids = ids_for(cfg, args.context)
     caches = {}
     for name, m in models.items():
         cache = m.new_cache(args.context + max(MS))
         slot = cache.allocate()
         m.prefill(ids[: args.context], cache, slot)
         caches[name] = (cache, slot)
-    times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in MS} for n in models}
-    names = list(models)
+    rows = {n: (n, None) for n in models if not (bodies and n == "gguf-q8act")} | bodies
+    times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in MS} for n in rows}
+    names = list(rows)
     load = MachineLoad().start()
     for r in range(args.repeats + 1):  # round 0 warms up
         for m in MS:
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
-                ms = forward_ms(models[n], *caches[n], ids, args.context, m)
+                name, body = rows[n]
+                if body is None:
+                    ms = forward_ms(models[name], *caches[name], ids, args.context, m)
+                else:
+                    with lib.running(body):
+                        ms = forward_ms(models[name], *caches[name], ids, args.context, m)
                 if r:
                     times[n][m].append(ms)
     load.stop()
@@ -78,7 +120,7 @@ def main() -> None:
     med = {n: {m: statistics.median(v) for m, v in t.items()} for n, t in times.items()}
     plain = resolve_path("auto", None, "cpu", cfg, int4, 0, cache=hub.cache_dir())
     spec = resolve_path("auto", None, "cpu", cfg, int4, 8, cache=hub.cache_dir())
-    report(med, args, plain.describe(), spec.describe(), {n: m.batch_invariant for n, m in models.items()})
+    report(med, args, plain.describe(), spec.describe(), {n: models[rows[n][0]].batch_invariant for n in rows})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ms": med, "cpu": cpu_info().as_dict(), "threads": torch.get_num_threads(),

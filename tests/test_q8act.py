@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from verispec.execution.cpu_kernels import KernelUnavailable, load
+from verispec.execution.cpu_kernels import BODIES, BODY_NAMES, KernelUnavailable, load
 
 try:
     LIB = load()
@@ -91,19 +91,51 @@ def test_activations_are_rounded_half_to_even_with_one_scale_per_32() -> None:
     assert out[1, 1:6].tolist() == out[1, 33:38].tolist() == [2.0, -4.0, 0.0, 0.0, 2.0]
 
 
+VECTOR_BODIES = [b for b in LIB.bodies if b != "portable"]
+
+
 @needs_avx2
+@pytest.mark.parametrize("body", VECTOR_BODIES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("xdt, odt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_avx2_body_equals_the_portable_body_bitwise(kind: str, xdt: torch.dtype, odt: torch.dtype) -> None:
-    n, k = 44, 160
-    raw = random_raw(kind, n, k, seed=3)
-    w = Q8ActWeight(raw, kind, n, k)
-    for m in (1, 2, 5):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdt)
-        fast, ref = torch.empty(m, n, dtype=odt), torch.empty(m, n, dtype=odt)
-        LIB.linear(w.tiles, kind, n, k, x, fast)
-        LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
-        assert torch.equal(fast, ref)
+def test_each_vector_body_equals_the_portable_body_bitwise(body: str, kind: str, xdt: torch.dtype,
+                                                           odt: torch.dtype) -> None:
+    """Every body built for this CPU (AVX2; AVX-512 VNNI where the CPU has it) against the portable C one. N = 44
+    is 6 tiles of 8 rows with the last one part padding, N = 40 and 72 an odd count of tiles (the AVX-512 body
+    takes tiles in pairs and the odd last one alone); M covers every row-tile size (8, 4, 2, 1) and their tails."""
+    k = 160
+    for n in (44, 40, 72):
+        w = Q8ActWeight(random_raw(kind, n, k, seed=3), kind, n, k)
+        for m in (1, 2, 3, 5, 8, 9, 17):
+            x = (3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))).to(xdt)
+            fast, ref = torch.empty(m, n, dtype=odt), torch.empty(m, n, dtype=odt)
+            LIB.linear(w.tiles, kind, n, k, x, fast, body=body)
+            LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
+            assert torch.equal(fast, ref), (n, m)
+
+
+def test_the_body_can_be_named_by_the_environment_and_an_unbuilt_one_is_refused(monkeypatch) -> None:
+    from verispec.execution.cpu_kernels import BODY_ENV, choose_body
+
+    for b in LIB.bodies:
+        monkeypatch.setenv(BODY_ENV, b)
+        assert choose_body(LIB) == (b, f"{BODY_ENV}={b}")
+    monkeypatch.setenv(BODY_ENV, "no-such-body")
+    with pytest.raises(KernelUnavailable, match="not a body of this build"):
+        choose_body(LIB)
+
+
+def test_the_active_body_is_a_built_one_chosen_by_timing_and_a_missing_one_is_refused() -> None:
+    assert LIB.body in LIB.bodies
+    if len(VECTOR_BODIES) > 1:
+        assert LIB.body in VECTOR_BODIES and "fastest measured" in LIB.choice
+        assert all(b in LIB.choice for b in VECTOR_BODIES)
+    assert LIB.describe().startswith(BODY_NAMES[LIB.body])
+    w = Q8ActWeight(random_raw("Q8_0", 8, 32), "Q8_0", 8, 32)
+    missing = [b for b in BODIES if b not in LIB.bodies]
+    for b in missing + ["no-such-body"]:
+        with pytest.raises(ValueError, match="not in this build"):
+            LIB.linear(w.tiles, "Q8_0", 8, 32, torch.ones(1, 32), torch.empty(1, 8), body=b)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -363,6 +395,26 @@ def test_default_model_forward_equals_the_reference_decoder_until_a_rounding_tie
 
 
 MIN_TOP1 = 0.9  # measured 0.988 over 82 teacher-forced positions
+
+
+@pytest.mark.slow
+def test_default_model_gives_the_same_bits_on_every_body_built_here(q8act) -> None:
+    """The whole decoder (one kernel call) and the head on each matmul body (the portable C one included), for a
+    prompt of 37 tokens and then a verify block of 9 after it: the portable body's logits, bit for bit."""
+    from verispec.models.llama import Segment
+
+    model, ids = q8act.model, torch.arange(46) * 11 % q8act.model.cfg.vocab_size
+    runs = {}
+    for body in LIB.bodies:
+        with LIB.running(body), torch.inference_mode():
+            cache = model.new_cache(64)
+            slot = cache.allocate()
+            prompt = model(ids[:37], [Segment(slot, 0, 37)], cache, logits_indices=range(37)).logits
+            cache.commit(slot, 37)
+            block = model(ids[37:], [Segment(slot, 37, 9)], cache, logits_indices=range(9)).logits
+            runs[body] = (prompt, block)
+    for body, (prompt, block) in runs.items():
+        assert torch.equal(prompt, runs["portable"][0]) and torch.equal(block, runs["portable"][1]), body
 
 
 PROMPTS = [

@@ -53,7 +53,12 @@ class PathChoice:
                 f"expected ms of the linears per step at M={'/'.join(map(str, self.blocks))}: {costs} ({how})")
 
     def as_dict(self) -> dict[str, object]:
-        return {**self.path.as_dict(), **self.cpu.as_dict(), "path_chosen_by": "explicit" if self.explicit else "auto"}
+        out = {**self.path.as_dict(), **self.cpu.as_dict(), "path_chosen_by": "explicit" if self.explicit else "auto"}
+        if self.path.quantization == "gguf-q8act":  # which of verispec's matmul bodies ran (the same bits in each)
+            from verispec.execution.cpu_kernels import load
+
+            out["kernel_body"] = load().body
+        return out
 
 
 def typical_blocks(num_speculative_tokens: int) -> tuple[int, ...]:

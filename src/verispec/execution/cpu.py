@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 # the flags that change which kernel is fastest: int8 / bf16 dot products and matrix tiles
-KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
                 "amx_tile", "amx_bf16", "amx_int8")
 
 

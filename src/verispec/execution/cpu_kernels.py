@@ -6,15 +6,21 @@ of a forward's decoder layers in one call (execution/decoder_kernel.py).
 `pip install` stays one command: nothing is compiled at install time. The first time the `gguf-q8act` path is
 considered, the C source shipped in the package is compiled with the machine's C compiler (`$CC`, else cc, gcc or
 clang) into the verispec cache, once per source, compiler, flags and CPU flags; later runs load the cached
-library. The flags come from the CPU: `-mavx2 -mfma -mf16c` where it has all three (the fast body), none
-otherwise (only the portable body, which `dtype="auto"` never picks). OpenMP is used where the compiler has it;
+library. The flags come from the CPU: `-mavx2 -mfma -mf16c` where it has all three (the AVX2 body), plus
+`-mavx512f -mavx512bw -mavx512vl -mavx512vnni` where it has those too (the AVX-512 VNNI body, 16 outputs per vector
+and vpdpbusd for the integer sums), none otherwise (only the portable body, which `dtype="auto"` never picks).
+Every body computes the same bits (the tests hold each to the portable one), so which one runs is a question of
+speed only: at load the vector bodies built here are timed on the default model's layer shapes at one and eight
+rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. OpenMP is used where the compiler has it;
 torch's own OpenMP runtime, already loaded, serves the library, so its threads are torch's threads. Without a
 compiler the path is simply not offered, and why is said once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -22,9 +28,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -35,6 +43,10 @@ log = logging.getLogger(__name__)
 SOURCE = "cpu.c"
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the C enum
 AVX2_FLAGS = ("avx2", "fma", "f16c")
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+BODIES = {"portable": 1, "avx2": 2, "avx512-vnni": 3}  # the C enum VS_BODY_*; 0 = the active one
+BODY_ENV = "VERISPEC_CPU_BODY"  # names the body to run instead of timing them
+BODY_NAMES = {"portable": "portable C", "avx2": "AVX2+FMA+F16C", "avx512-vnni": "AVX-512 VNNI"}
 
 
 class KernelUnavailable(RuntimeError):
@@ -48,24 +60,41 @@ class Library:
     flags: tuple[str, ...]  # the compiler flags it was built with
     avx2: bool  # whether the AVX2 body is in it
     openmp: bool
+    bodies: tuple[str, ...] = ("portable",)  # the matmul bodies built in (BODIES' names)
+    body: str = "portable"  # the one that runs (vs_set_body), the fastest measured at load
+    choice: str = ""  # why: the timings that chose it
 
     def describe(self) -> str:
-        body = "AVX2+FMA+F16C" if self.avx2 else "portable C"
-        return f"{body} body, {'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}"
+        return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}, "
+                f"{'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}")
 
     def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
                reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
-               residual: torch.Tensor | None = None, swiglu: bool = False) -> None:
+               residual: torch.Tensor | None = None, swiglu: bool = False, body: str | None = None) -> None:
         """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (execution/q8act.py's layout), plus
         `residual` (float32 [M, N]) when given; x' = x, or RMSNorm(x) * norm (float32 [K]) with `eps` when `norm`
         is given, or silu(gate) * up of a float32 x = [gate | up] ([M, 2K]) when `swiglu`. x and out: contiguous
-        CPU float32 or bfloat16. `reference`: the portable body."""
+        CPU float32 or bfloat16. `body`: one of `bodies` (default: the active one); `reference`: the portable."""
+        if body is not None and body not in self.bodies:
+            raise ValueError(f"matmul body {body!r} is not in this build (built: {', '.join(self.bodies)})")
+        code = BODIES["portable"] if reference else BODIES[body] if body else 0
         rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), x.dtype == torch.bfloat16,
                                 x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(),
-                                reference, None if norm is None else norm.data_ptr(), eps,
+                                code, None if norm is None else norm.data_ptr(), eps,
                                 None if residual is None else residual.data_ptr(), swiglu)
         if rc:
             raise RuntimeError(f"vs_linear failed ({'bad shape, kind or residual' if rc == -1 else 'out of memory'})")
+
+    @contextlib.contextmanager
+    def running(self, body: str) -> Iterator[None]:
+        """Inside the block, calls that name no body (and `vs_decoder`'s) run `body`; after it, `self.body` again.
+        For benchmarks that compare bodies side by side (the bits are the same in each)."""
+        if body not in self.bodies or self.lib.vs_set_body(BODIES[body]):
+            raise ValueError(f"matmul body {body!r} is not in this build (built: {', '.join(self.bodies)})")
+        try:
+            yield
+        finally:
+            self.lib.vs_set_body(BODIES[self.body])
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -113,7 +142,12 @@ def build_flags() -> tuple[str, ...]:
     """-O3 and no contraction of a * b + c into fma beyond the source's own (so both bodies round alike), plus
     the vector flags this CPU has."""
     base = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
-    vec = ("-mavx2", "-mfma", "-mf16c") if all(f in cpu_info().flags for f in AVX2_FLAGS) else ()
+    has = set(cpu_info().flags)
+    if not has.issuperset(AVX2_FLAGS):
+        return base
+    vec = ("-mavx2", "-mfma", "-mf16c")
+    if has.issuperset(AVX512_FLAGS):
+        vec += ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
     return base + vec
 
 
@@ -187,11 +221,57 @@ def load(cache: Path | None = None) -> Library:
                                i64, i64, p, i32]
     lib.vs_decoder.restype = i32
     lib.vs_has_avx2.restype = i32
-    return Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists())
+    lib.vs_bodies.restype = i32
+    lib.vs_set_body.argtypes = [i32]
+    lib.vs_set_body.restype = i32
+    built = tuple(name for name, code in BODIES.items() if lib.vs_bodies() & (1 << code))
+    library = Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists(), built, built[-1])
+    body, choice = choose_body(library)
+    if lib.vs_set_body(BODIES[body]):
+        raise KernelUnavailable(f"{out} does not have its own {body} body")
+    log.info("verispec's CPU kernel: %s body (%s)", BODY_NAMES[body], choice)
+    return dataclasses.replace(library, body=body, choice=choice)
+
+
+# the shapes the body choice times: the default model's gate_up (Q4_1 [3072, 576]) and down (Q4_1 [576, 1536])
+BODY_SHAPES = ((3072, 576), (576, 1536))
+BODY_ROWS = (1, 8)
+
+
+def choose_body(library: Library, repeats: int = 5) -> tuple[str, str]:
+    """(the fastest vector body built into `library`, the timings that say so). Each body gives the same bits, so
+    this is speed only: random Q4_1 weights of the default model's MLP shapes, one and eight rows, the bodies
+    interleaved, the fastest of `repeats` rounds each (about 20 ms). With one vector body (or none) nothing is
+    timed. `VERISPEC_CPU_BODY` names one instead (for side-by-side runs of whole benchmarks)."""
+    asked = os.environ.get(BODY_ENV)
+    if asked:
+        if asked not in library.bodies:
+            raise KernelUnavailable(f"{BODY_ENV}={asked}: not a body of this build ({', '.join(library.bodies)})")
+        return asked, f"{BODY_ENV}={asked}"
+    vector = [b for b in library.bodies if b != "portable"]
+    if len(vector) <= 1:
+        return library.bodies[-1], "the only vector body built" if vector else "no vector body for this CPU"
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n, k in BODY_SHAPES:
+        raw = torch.randint(0, 256, (-(-n // 8), k // 32, 160), dtype=torch.uint8, generator=gen)
+        raw[..., :32] = torch.full((16,), 0.01, dtype=torch.float16).view(torch.uint8)  # d[8], m[8]: finite
+        for m in BODY_ROWS:
+            cases.append((raw, n, k, torch.randn(m, k, generator=gen), torch.empty(m, n)))
+    best = {b: float("inf") for b in vector}
+    for _ in range(repeats + 1):  # the first round warms up
+        for b in vector:
+            t0 = time.perf_counter()
+            for raw, n, k, x, out in cases:
+                library.linear(raw, "Q4_1", n, k, x, out, body=b)
+            best[b] = min(best[b], time.perf_counter() - t0)
+    body = min(vector, key=best.get)
+    timings = ", ".join(f"{b} {best[b] * 1e3:.2f} ms" for b in vector)
+    return body, f"fastest measured: {timings} for the MLP linears at M = {'/'.join(map(str, BODY_ROWS))}"
 
 
 def fast_kernel_available() -> tuple[bool, str]:
-    """(whether the AVX2 body is built and loaded here, why not / what it is)."""
+    """(whether a vector body (AVX2, or AVX-512 VNNI beside it) is built and loaded here, why not / what runs)."""
     try:
         lib = load()
     except KernelUnavailable as e:

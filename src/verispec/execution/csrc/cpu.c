@@ -17,8 +17,10 @@
  * and out = acc + mins. Each output element is computed by one thread in this order whatever the number of rows M,
  * the other rows or the thread count: a row's result never depends on its batch (batch invariance).
  *
- * Two bodies: the portable one (plain C, the reference) and the AVX2 + FMA + F16C one; the tests hold the second
- * to the first bit for bit. Built at first use by execution/cpu_kernels.py with the flags this CPU has.
+ * Three bodies: the portable one (plain C, the reference), the AVX2 + FMA + F16C one and, where the CPU has
+ * AVX-512 F / BW / VL / VNNI, one that takes two tiles per 512-bit vector (16 outputs) and sums with vpdpbusd; the
+ * tests hold each to the portable one bit for bit, so choosing among them (vs_set_body) changes only the speed.
+ * Built at first use by execution/cpu_kernels.py with the flags this CPU has.
  *
  * Also here: `vs_attention`, fp32 attention of a few query rows over their keys, `vs_rope`, and `vs_decoder`,
  * every decoder layer of a forward in one call (see there).
@@ -30,6 +32,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VS_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define VS_AVX512 1
+#endif
 #endif
 
 #define QK 32
@@ -70,10 +75,11 @@ static float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact */
     return f;
 }
 
-/* one row x [K] (float32, or bfloat16 when x_bf16) -> q [K] int8, s [K/32] scales, ss [K/32] s * sum(q): per block
+/* one row x [K] (float32, or bfloat16 when x_bf16) -> q [K] int8, s [K/32] scales, ss [K/32] s * sum(q) and qsum
+ * [K/32] sum(q): per block
  * of 32, d = amax / 127, q = round-half-even(x * (1 / d)). The AVX2 lines compute the same values: max is exact
  * (a NaN ignored, as fmaxf does), x * inv is one IEEE product, and its rounding is nearbyintf's */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s, float *ss) {
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s, float *ss, int32_t *qsum) {
     for (int64_t b = 0; b < K / QK; b++) {
         float v[QK];
         for (int j = 0; j < QK; j++)
@@ -113,6 +119,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
 #endif
         s[b] = d;
         ss[b] = d * (float)sum;
+        qsum[b] = sum;
     }
 }
 
@@ -129,6 +136,7 @@ typedef struct {
     const int8_t *q; /* [M, K] */
     const float *s;  /* [M, K/32] */
     const float *ss; /* [M, K/32] */
+    const int32_t *qsum; /* [M, K/32]: each block's sum of q (exact) */
 } qrows;
 
 /* element j of row i of an x8 tile's quants */
@@ -200,9 +208,27 @@ static inline void store8(void *out, int out_bf16, int64_t i, int64_t N, int64_t
     for (int k = 0; k < n; k++) store(out, out_bf16, i + k, l[k]);
 }
 
-/* RT activation rows (RT a constant: the accumulators stay in registers) against one row of 8-row tiles */
+#ifdef VS_AVX512
+/* tile_dot's 8 block sums with vpdpbusd (AVX-512 VNNI on 256 bits): wv as tile_dot's for 4-bit weights; for 8-bit
+ * ones wv holds w ^ 0x80 (w + 128, unsigned) and 128 sum(x) (qsum) is taken off. The same exact integers */
+static inline __m256i tile_dot_vnni(const __m256i *wv, const int8_t *xb, int32_t qsum, int kind) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k += 2) {
+        int32_t e0, e1;
+        memcpy(&e0, xb + 4 * k, 4);
+        memcpy(&e1, xb + 4 * k + 4, 4);
+        s0 = _mm256_dpbusd_epi32(s0, wv[k], _mm256_set1_epi32(e0));
+        s1 = _mm256_dpbusd_epi32(s1, wv[k + 1], _mm256_set1_epi32(e1));
+    }
+    const __m256i sum = _mm256_add_epi32(s0, s1);
+    return kind == Q8_0 ? _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * qsum)) : sum;
+}
+#endif
+
+/* RT activation rows (RT a constant: the accumulators stay in registers) against one row of 8-row tiles; vnni
+ * (a constant too, only where the build has AVX-512 VNNI): the block sums by tile_dot_vnni */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, const int kind, const qrows *x,
-        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, void *out, int out_bf16) {
+        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, void *out, int out_bf16, const int vnni) {
     const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
     __m256 acc[4], mins[4];
     for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
@@ -212,7 +238,8 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
         if (kind == Q8_0) {
             for (int k = 0; k < 8; k++) {
                 wv[k] = _mm256_loadu_si256((const __m256i *)(tp + qoff + 32 * k));
-                wabs[k] = _mm256_sign_epi8(wv[k], wv[k]);
+                if (vnni) wv[k] = _mm256_xor_si256(wv[k], _mm256_set1_epi8((char)0x80));
+                else wabs[k] = _mm256_sign_epi8(wv[k], wv[k]);
             }
         } else {
             const __m256i lo = _mm256_set1_epi8(15);
@@ -227,7 +254,12 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         for (int t = 0; t < RT; t++) {
             const int64_t rb = (r0 + t) * nb + b;
-            const __m256i sum = tile_dot(wv, wabs, x->q + (r0 + t) * K + b * QK, kind);
+            const int8_t *xb = x->q + (r0 + t) * K + b * QK;
+#ifdef VS_AVX512
+            const __m256i sum = vnni ? tile_dot_vnni(wv, xb, x->qsum[rb], kind) : tile_dot(wv, wabs, xb, kind);
+#else
+            const __m256i sum = tile_dot(wv, wabs, xb, kind);
+#endif
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb])), acc[t]);
             if (kind != Q8_0) mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t]);
         }
@@ -237,11 +269,11 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
 }
 
 static inline __attribute__((always_inline)) void group(const uint8_t *w, const int kind, const qrows *x,
-        int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16) {
+        int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16, const int vnni) {
     int64_t r0 = 0;
-    for (; r0 + 4 <= M; r0 += 4) tile_rows(w, kind, x, N, K, g, r0, 4, out, out_bf16);
-    if (r0 + 2 <= M) { tile_rows(w, kind, x, N, K, g, r0, 2, out, out_bf16); r0 += 2; }
-    if (r0 < M) tile_rows(w, kind, x, N, K, g, r0, 1, out, out_bf16);
+    for (; r0 + 4 <= M; r0 += 4) tile_rows(w, kind, x, N, K, g, r0, 4, out, out_bf16, vnni);
+    if (r0 + 2 <= M) { tile_rows(w, kind, x, N, K, g, r0, 2, out, out_bf16, vnni); r0 += 2; }
+    if (r0 < M) tile_rows(w, kind, x, N, K, g, r0, 1, out, out_bf16, vnni);
 }
 
 static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
@@ -249,9 +281,119 @@ static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int
     const int64_t groups = (N + 7) / 8;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t g = 0; g < groups; g++) {
-        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, out, out_bf16);
-        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, out, out_bf16);
-        else group(w, Q8_0, x, M, N, K, g, out, out_bf16);
+        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, out, out_bf16, 0);
+        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, out, out_bf16, 0);
+        else group(w, Q8_0, x, M, N, K, g, out, out_bf16, 0);
+    }
+}
+#endif
+
+#ifdef VS_AVX512
+/* --- the AVX-512 VNNI body: two x8 tiles side by side, 16 outputs per vector ---
+ * Lanes 0..7 are tile (g, b)'s rows, lanes 8..15 tile (g + 1, b)'s. Each lane's block sum is the same exact integer
+ * as tile_dot's: vpdpbusd adds four u8 x s8 products into an int32 lane without saturation. 4-bit weights are
+ * unsigned nibbles already; an 8-bit weight w is taken as the unsigned w + 128 (w ^ 0x80) and 128 times the
+ * block's sum of x (the same for every lane) taken off again. Each lane's float arithmetic is then the AVX2
+ * body's, in the same order: acc = fma(float(sum), d * s_x, acc), mins = fma(m, s_x * sum(q_x), mins), out =
+ * acc + mins. So this body equals the portable one bit for bit (the tests hold it to that). */
+#ifndef PF_TILES
+#define PF_TILES 8 /* tiles ahead; 2..16 measured alike, 0 (none) slower from 4 rows on */
+#endif
+#ifndef PAIR_ROWS
+#define PAIR_ROWS 3 /* from this many rows on, two tiles per vector: measured; fewer rows stream the weights */
+#endif
+static inline __m512i pair256(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __m512 pair_half(const uint8_t *a, const uint8_t *b) { /* 8 + 8 fp16 -> 16 floats */
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+
+static inline void store16(void *out, int out_bf16, int64_t i, int64_t N, int64_t n0, __m512 v) {
+    const int n = (int)(N - n0 < 16 ? N - n0 : 16);
+    if (!out_bf16 && n == 16) { _mm512_storeu_ps((float *)out + i, v); return; }
+    float l[16];
+    _mm512_storeu_ps(l, v);
+    for (int k = 0; k < n; k++) store(out, out_bf16, i + k, l[k]);
+}
+
+/* RT activation rows against groups g and g + 1 (both full tiles in memory; rows past N are padding) */
+static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, const int kind, const qrows *x,
+        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, void *out, int out_bf16) {
+    const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
+    __m512 acc[8], mins[8];
+    for (int t = 0; t < RT; t++) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm512_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *ta = w + (g * nb + b) * tb, *tc = ta + nb * tb;
+#if PF_TILES
+        for (int64_t c = 0; c < tb; c += 64) { /* the two tile streams, fetched ahead: measured */
+            _mm_prefetch((const char *)(ta + PF_TILES * tb + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(tc + PF_TILES * tb + c), _MM_HINT_T0);
+        }
+#endif
+        __m512i wv[8];
+        if (kind == Q8_0) {
+            const __m512i flip = _mm512_set1_epi8((char)0x80);
+            for (int k = 0; k < 8; k++) wv[k] = _mm512_xor_si512(pair256(ta + qoff + 32 * k, tc + qoff + 32 * k), flip);
+        } else {
+            const __m512i lo = _mm512_set1_epi8(15);
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = pair256(ta + qoff + 32 * k, tc + qoff + 32 * k);
+                wv[k] = _mm512_and_si512(v, lo);
+                wv[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+            }
+        }
+        const __m512 d = pair_half(ta, tc);
+        const __m512 m = kind == Q4_1 ? pair_half(ta + 16, tc + 16) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        for (int t = 0; t < RT; t++) {
+            const int64_t rb = (r0 + t) * nb + b;
+            const int32_t *xb = (const int32_t *)(x->q + (r0 + t) * K + b * QK); /* group k: elements 4k .. 4k+3 */
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+                int32_t e0, e1;
+                memcpy(&e0, xb + k, 4);
+                memcpy(&e1, xb + k + 1, 4);
+                s0 = _mm512_dpbusd_epi32(s0, wv[k], _mm512_set1_epi32(e0));
+                s1 = _mm512_dpbusd_epi32(s1, wv[k + 1], _mm512_set1_epi32(e1));
+            }
+            __m512i sum = _mm512_add_epi32(s0, s1);
+            if (kind == Q8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x->qsum[rb]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x->s[rb])), acc[t]);
+            if (kind != Q8_0) mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->ss[rb]), mins[t]);
+        }
+    }
+    for (int t = 0; t < RT; t++)
+        store16(out, out_bf16, (r0 + t) * N + 8 * g, N, 8 * g, _mm512_add_ps(acc[t], mins[t]));
+}
+
+static inline __attribute__((always_inline)) void pair(const uint8_t *w, const int kind, const qrows *x,
+        int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16) {
+    int64_t r0 = 0;
+    for (; r0 + 8 <= M; r0 += 8) pair_rows(w, kind, x, N, K, g, r0, 8, out, out_bf16);
+    if (r0 + 4 <= M) { pair_rows(w, kind, x, N, K, g, r0, 4, out, out_bf16); r0 += 4; }
+    if (r0 + 2 <= M) { pair_rows(w, kind, x, N, K, g, r0, 2, out, out_bf16); r0 += 2; }
+    if (r0 < M) pair_rows(w, kind, x, N, K, g, r0, 1, out, out_bf16);
+}
+
+static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
+                        int out_bf16, int nthreads) {
+    const int64_t groups = (N + 7) / 8, pairs = M >= PAIR_ROWS ? groups / 2 : 0, singles = groups - 2 * pairs;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (singles > 1)
+    for (int64_t p = pairs; p < pairs + singles; p++) { /* few rows, or an odd last group: 8 lanes, one tile */
+        const int64_t g = pairs ? 2 * p : p;
+        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, out, out_bf16, 1);
+        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, out, out_bf16, 1);
+        else group(w, Q8_0, x, M, N, K, g, out, out_bf16, 1);
+    }
+    if (!pairs) return;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t p = 0; p < pairs; p++) {
+        if (kind == Q4_0) pair(w, Q4_0, x, M, N, K, 2 * p, out, out_bf16);
+        else if (kind == Q4_1) pair(w, Q4_1, x, M, N, K, 2 * p, out, out_bf16);
+        else pair(w, Q8_0, x, M, N, K, 2 * p, out, out_bf16);
     }
 }
 #endif
@@ -475,6 +617,37 @@ int vs_has_avx2(void) {
 #endif
 }
 
+/* the matmul bodies: VS_BODY_ACTIVE (0) in a call means the one vs_set_body chose (at first the fastest built) */
+enum { VS_BODY_ACTIVE = 0, VS_BODY_PORTABLE = 1, VS_BODY_AVX2 = 2, VS_BODY_AVX512 = 3 };
+
+/* bit b set: body b is in this build */
+int vs_bodies(void) {
+    int m = 1 << VS_BODY_PORTABLE;
+#ifdef VS_AVX2
+    m |= 1 << VS_BODY_AVX2;
+#endif
+#ifdef VS_AVX512
+    m |= 1 << VS_BODY_AVX512;
+#endif
+    return m;
+}
+
+#if defined(VS_AVX512)
+static int active_body = VS_BODY_AVX512;
+#elif defined(VS_AVX2)
+static int active_body = VS_BODY_AVX2;
+#else
+static int active_body = VS_BODY_PORTABLE;
+#endif
+
+/* the body that calls with VS_BODY_ACTIVE (and vs_decoder) run; returns 0, or -1 for one not in this build. All
+ * bodies give the same bits, so the choice changes only the speed */
+int vs_set_body(int body) {
+    if (body <= 0 || body > VS_BODY_AVX512 || !(vs_bodies() & (1 << body))) return -1;
+    active_body = body;
+    return 0;
+}
+
 /* one row x [K] (float32, or bfloat16 when x_bf16) RMS-normalised and scaled: out = (x * r) * w with
  * r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes (element j in lane j % 8, fma in order, hsum8) */
 static void rms_norm_row(const void *x, int x_bf16, int64_t K, const float *w, float eps, float *out) {
@@ -508,35 +681,42 @@ static void swiglu_row(const float *x, int64_t K, float *out, int ref) {
  * ([ceil(N / 8), K / 32] tiles; rows past N are padding); x float32 or bfloat16 (x_bf16); x' = x, or x RMS-
  * normalised with weights norm_w [K] and eps when norm_w is not NULL, or (act = 1) SwiGLU of a float32 x
  * [M, 2K] (gate | up); out float32 or bfloat16 (out_bf16);
- * residual: NULL or float32 [M, N] added to out (float32 out only). use_ref: the portable body.
- * Returns 0, -1 for a bad kind, K or residual, -2 without memory. */
+ * residual: NULL or float32 [M, N] added to out (float32 out only). body: VS_BODY_* (ACTIVE: vs_set_body's).
+ * Returns 0, -1 for a bad kind, K, residual or body, -2 without memory. */
 int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, void *out,
-              int out_bf16, int nthreads, int use_ref, const float *norm_w, float eps, const float *residual,
+              int out_bf16, int nthreads, int body, const float *norm_w, float eps, const float *residual,
               int act) {
     if (vs_tile_bytes(kind) < 0 || K % QK || (residual && out_bf16) || (act && (x_bf16 || norm_w))) return -1;
+    if (body == VS_BODY_ACTIVE) body = active_body;
+    if (body < 0 || body > VS_BODY_AVX512 || !(vs_bodies() & (1 << body))) return -1;
+    const int use_ref = body == VS_BODY_PORTABLE;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
     const int64_t normed = norm_w || act ? M * K : 0;
-    void *scratch = malloc((size_t)((normed + 2 * M * nb) * (int64_t)sizeof(float) + M * K));
+    void *scratch = malloc((size_t)((normed + 3 * M * nb) * (int64_t)sizeof(float) + M * K));
     if (!scratch) return -2;
     float *s = (float *)scratch, *ss = s + M * nb, *xn = ss + M * nb;
-    int8_t *q = (int8_t *)(xn + normed);
+    int32_t *qsum = (int32_t *)(xn + normed);
+    int8_t *q = (int8_t *)(qsum + M * nb);
     /* each row alone (normed or SwiGLU'd, then quantised), so the rows may go to threads: the same values */
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
         const void *xr = (const char *)x + r * K * (x_bf16 ? 2 : 4) * (act ? 2 : 1); /* act: rows of 2K */
         if (norm_w) rms_norm_row(xr, x_bf16, K, norm_w, eps, xn + r * K);
         else if (act) swiglu_row((const float *)xr, K, xn + r * K, use_ref);
-        if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb);
-        else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb);
+        if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
+        else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
     }
-    const qrows rows = {q, s, ss};
+    const qrows rows = {q, s, ss, qsum};
+#ifdef VS_AVX512
+    if (body == VS_BODY_AVX512) gemm_avx512(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
+    else
+#endif
 #ifdef VS_AVX2
-    if (!use_ref) gemm_avx2(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
+    if (body == VS_BODY_AVX2) gemm_avx2(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
     else
 #endif
         gemm_ref(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
-    (void)use_ref;
     if (residual) {
         #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
         for (int64_t r = 0; r < M; r++)
