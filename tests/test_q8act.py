@@ -398,6 +398,14 @@ MIN_TOP1 = 0.9  # measured 0.988 over 82 teacher-forced positions
 
 
 @pytest.mark.slow
+def test_default_model_outputs_say_which_matmul_body_ran(q8act) -> None:
+    from verispec import SamplingParams
+
+    out = q8act.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.stats["quantization"] == "gguf-q8act" and out.stats["kernel_body"] == LIB.body
+
+
+@pytest.mark.slow
 def test_default_model_gives_the_same_bits_on_every_body_built_here(q8act) -> None:
     """The whole decoder (one kernel call) and the head on each matmul body (the portable C one included), for a
     prompt of 37 tokens and then a verify block of 9 after it: the portable body's logits, bit for bit."""
