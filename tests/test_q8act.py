@@ -219,6 +219,21 @@ def test_the_fused_swiglu_is_silu_of_the_gate_times_the_up_half() -> None:
         w.matmul(x[:, :k], swiglu=True)
 
 
+@pytest.mark.skipif("avx512-vnni" not in LIB.bodies, reason="this CPU gets no AVX-512 VNNI body")
+def test_a_compiler_without_avx512_vnni_still_builds_the_avx2_body(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from verispec.execution import cpu_kernels
+
+    cc = tmp_path / "old-cc"  # refuses -mavx512vnni, as a compiler that predates it does; passes the rest on
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512vnni*) echo "unknown option" >&2; exit 1;; esac\n'
+                  f'exec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    lib = cpu_kernels.load.__wrapped__(cache=tmp_path / "cache")
+    assert lib.bodies == ("portable", "avx2") and lib.body == "avx2" and "-mavx512vnni" not in lib.flags
+
+
 def test_without_a_working_compiler_the_path_is_not_offered_and_says_why(tmp_path, monkeypatch) -> None:
     from verispec.execution import cpu_kernels
     from verispec.execution.paths import candidates

@@ -138,15 +138,15 @@ def compiler() -> str | None:
     return next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
-def build_flags() -> tuple[str, ...]:
-    """-O3 and no contraction of a * b + c into fma beyond the source's own (so both bodies round alike), plus
-    the vector flags this CPU has."""
+def build_flags(avx512: bool = True) -> tuple[str, ...]:
+    """-O3 and no contraction of a * b + c into fma beyond the source's own (so the bodies round alike), plus
+    the vector flags this CPU has (the AVX-512 ones only with `avx512`)."""
     base = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
     has = set(cpu_info().flags)
     if not has.issuperset(AVX2_FLAGS):
         return base
     vec = ("-mavx2", "-mfma", "-mf16c")
-    if has.issuperset(AVX512_FLAGS):
+    if avx512 and has.issuperset(AVX512_FLAGS):
         vec += ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
     return base + vec
 
@@ -178,32 +178,46 @@ def _build(cc: str, flags: tuple[str, ...], out: Path) -> bool:
         raise KernelUnavailable(f"{cc} could not build {SOURCE}: {errors}")
 
 
+def _cached_build(cc: str, version: str, flags: tuple[str, ...], cache: Path) -> Path:
+    """The library built from this source with `cc` and `flags` for this CPU, from the cache or built now."""
+    key = hashlib.sha256(b"|".join([_source(), cc.encode(), version.encode(), " ".join(flags).encode(),
+                                    " ".join(cpu_info().flags).encode()])).hexdigest()[:16]
+    out = cache / "kernels" / "build" / key / "libverispec_cpu.so"
+    if not out.exists():
+        log.info("building verispec's CPU kernel with %s %s", cc, " ".join(flags))
+        try:
+            if _build(cc, flags, out):
+                out.with_suffix(".openmp").touch()
+        except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a compiler that hangs
+            raise KernelUnavailable(f"could not build {SOURCE} into {out.parent}: {e}") from e
+    return out
+
+
 @functools.cache
 def load(cache: Path | None = None) -> Library:
     """Build (once per machine) and load the kernel. Raises KernelUnavailable with the reason."""
     cc = compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler (set CC, or install gcc) to build verispec's CPU kernel")
-    flags = build_flags()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
-    key = hashlib.sha256(b"|".join([_source(), cc.encode(), version.encode(), " ".join(flags).encode(),
-                                    " ".join(cpu_info().flags).encode()])).hexdigest()[:16]
     if cache is None:
         from verispec.models.hub import cache_dir
 
         cache = cache_dir()
-    out = cache / "kernels" / "build" / key / "libverispec_cpu.so"
+    flags = build_flags()
+    try:
+        out = _cached_build(cc, version, flags, cache)
+    except KernelUnavailable as e:
+        if flags == build_flags(avx512=False):
+            raise
+        # a compiler too old for the AVX-512 VNNI intrinsics still builds the AVX2 body
+        log.warning("verispec's CPU kernel: %s; building without the AVX-512 body", e)
+        flags = build_flags(avx512=False)
+        out = _cached_build(cc, version, flags, cache)
     openmp_marker = out.with_suffix(".openmp")
-    if not out.exists():
-        log.info("building verispec's CPU kernel with %s %s", cc, " ".join(flags))
-        try:
-            if _build(cc, flags, out):
-                openmp_marker.touch()
-        except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a compiler that hangs
-            raise KernelUnavailable(f"could not build {SOURCE} into {out.parent}: {e}") from e
     try:
         lib = ctypes.CDLL(str(out))
     except OSError as e:
