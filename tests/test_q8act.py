@@ -418,6 +418,7 @@ def test_default_model_outputs_say_which_matmul_body_ran(q8act) -> None:
 
     out = q8act.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.stats["quantization"] == "gguf-q8act" and out.stats["kernel_body"] == LIB.body
+    assert f"verispec's kernel: {BODY_NAMES[LIB.body]} body" in q8act.path_choice.describe()
 
 
 @pytest.mark.slow

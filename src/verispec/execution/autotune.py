@@ -45,12 +45,18 @@ class PathChoice:
     expected: dict[str, float] = field(default_factory=dict)  # path name -> expected ms per step
 
     def describe(self) -> str:
+        kernel = ""
+        if self.path.quantization == "gguf-q8act":
+            from verispec.execution.cpu_kernels import load
+
+            kernel = f"; verispec's kernel: {load().describe()}"
         if self.explicit:
-            return f"path {self.path.name} ({self.path.note}), as asked; CPU {self.cpu.label()}"
+            return f"path {self.path.name} ({self.path.note}), as asked; CPU {self.cpu.label()}{kernel}"
         costs = ", ".join(f"{n} {ms:.1f}" for n, ms in sorted(self.expected.items(), key=lambda kv: kv[1]))
         how = "cached profile" if self.cached else "measured now"
         return (f"path {self.path.name} ({self.path.note}) chosen by dtype=auto on CPU {self.cpu.label()}: "
-                f"expected ms of the linears per step at M={'/'.join(map(str, self.blocks))}: {costs} ({how})")
+                f"expected ms of the linears per step at M={'/'.join(map(str, self.blocks))}: {costs} ({how})"
+                f"{kernel}")
 
     def as_dict(self) -> dict[str, object]:
         out = {**self.path.as_dict(), **self.cpu.as_dict(), "path_chosen_by": "explicit" if self.explicit else "auto"}
