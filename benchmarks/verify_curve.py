@@ -17,6 +17,7 @@ body's logits are bitwise those of the body the kernel chose; `--paths` limits t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -43,10 +44,6 @@ def forward_ms(model: LlamaModel, cache, slot: int, ids: torch.Tensor, context: 
     ms = (time.perf_counter() - t) * 1e3
     cache.rollback(slot, context)
     return ms
-
-
-def ids_for(cfg: ModelConfig, context: int) -> torch.Tensor:
-    return torch.arange(context + max(MS)) * 7 % cfg.vocab_size  # [context + max M]
 
 
 def check_same_logits(model: LlamaModel, lib, body: str, ids: torch.Tensor) -> None:
@@ -80,6 +77,7 @@ def main() -> None:
         paths = [p for p in paths if p.name in args.paths.split(",")]
     models = {p.name: load_model(resolved, dtype=p.dtype, quantization=p.quantization, progress=False)[0]
               for p in paths}
+    ids = torch.arange(args.context + max(MS)) * 7 % cfg.vocab_size  # [context + max M]
     bodies = {}  # row name -> (model name, body)
     if args.bodies and "gguf-q8act" in models:
         from verispec.execution.cpu_kernels import load
@@ -89,10 +87,9 @@ def main() -> None:
         for b in lib.bodies:
             if b != "portable":
                 bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", b)
-                check_same_logits(models["gguf-q8act"], lib, b, ids_for(cfg, args.context))
+                check_same_logits(models["gguf-q8act"], lib, b, ids)
     for m in models.values():  # as the engine runs them: per-query attention where the linears are invariant
         m.batch_invariant = all(linears_row_invariant(m).values())
-    ids = ids_for(cfg, args.context)
     caches = {}
     for name, m in models.items():
         cache = m.new_cache(args.context + max(MS))
@@ -108,11 +105,8 @@ def main() -> None:
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
                 name, body = rows[n]
-                if body is None:
+                with lib.running(body) if body else contextlib.nullcontext():
                     ms = forward_ms(models[name], *caches[name], ids, args.context, m)
-                else:
-                    with lib.running(body):
-                        ms = forward_ms(models[name], *caches[name], ids, args.context, m)
                 if r:
                     times[n][m].append(ms)
     load.stop()

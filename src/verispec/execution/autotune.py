@@ -44,12 +44,17 @@ class PathChoice:
     explicit: bool = False  # the user named the path; nothing was measured
     expected: dict[str, float] = field(default_factory=dict)  # path name -> expected ms per step
 
-    def describe(self) -> str:
-        kernel = ""
-        if self.path.quantization == "gguf-q8act":
-            from verispec.execution.cpu_kernels import load
+    def _kernel(self):
+        """verispec's CPU kernel library where this path runs on it (gguf-q8act), else None."""
+        if self.path.quantization != "gguf-q8act":
+            return None
+        from verispec.execution.cpu_kernels import load
 
-            kernel = f"; verispec's kernel: {load().describe()}"
+        return load()
+
+    def describe(self) -> str:
+        lib = self._kernel()
+        kernel = f"; verispec's kernel: {lib.describe()}" if lib else ""
         if self.explicit:
             return f"path {self.path.name} ({self.path.note}), as asked; CPU {self.cpu.label()}{kernel}"
         costs = ", ".join(f"{n} {ms:.1f}" for n, ms in sorted(self.expected.items(), key=lambda kv: kv[1]))
@@ -60,10 +65,9 @@ class PathChoice:
 
     def as_dict(self) -> dict[str, object]:
         out = {**self.path.as_dict(), **self.cpu.as_dict(), "path_chosen_by": "explicit" if self.explicit else "auto"}
-        if self.path.quantization == "gguf-q8act":  # which of verispec's matmul bodies ran (the same bits in each)
-            from verispec.execution.cpu_kernels import load
-
-            out["kernel_body"] = load().body
+        lib = self._kernel()
+        if lib:  # which of verispec's matmul bodies ran (the same bits in each)
+            out["kernel_body"] = lib.body
         return out
 
 

@@ -11,9 +11,9 @@ library. The flags come from the CPU: `-mavx2 -mfma -mf16c` where it has all thr
 and vpdpbusd for the integer sums), none otherwise (only the portable body, which `dtype="auto"` never picks).
 Every body computes the same bits (the tests hold each to the portable one), so which one runs is a question of
 speed only: at load the vector bodies built here are timed on the default model's layer shapes at one and eight
-rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. OpenMP is used where the compiler has it;
-torch's own OpenMP runtime, already loaded, serves the library, so its threads are torch's threads. Without a
-compiler the path is simply not offered, and why is said once.
+rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. OpenMP is used
+where the compiler has it; torch's own OpenMP runtime, already loaded, serves the library, so its threads are
+torch's threads. Without a compiler the path is simply not offered, and why is said once.
 """
 
 from __future__ import annotations
@@ -58,11 +58,21 @@ class Library:
     lib: ctypes.CDLL
     path: Path
     flags: tuple[str, ...]  # the compiler flags it was built with
-    avx2: bool  # whether the AVX2 body is in it
     openmp: bool
     bodies: tuple[str, ...] = ("portable",)  # the matmul bodies built in (BODIES' names)
     body: str = "portable"  # the one that runs (vs_set_body), the fastest measured at load
     choice: str = ""  # why: the timings that chose it
+
+    @property
+    def avx2(self) -> bool:
+        """Whether the AVX2 body is in it (every vector build has it)."""
+        return "avx2" in self.bodies
+
+    def _code(self, body: str) -> int:
+        """The C enum of one of `bodies`; ValueError for another name."""
+        if body not in self.bodies:
+            raise ValueError(f"matmul body {body!r} is not in this build (built: {', '.join(self.bodies)})")
+        return BODIES[body]
 
     def describe(self) -> str:
         return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}, "
@@ -75,9 +85,7 @@ class Library:
         `residual` (float32 [M, N]) when given; x' = x, or RMSNorm(x) * norm (float32 [K]) with `eps` when `norm`
         is given, or silu(gate) * up of a float32 x = [gate | up] ([M, 2K]) when `swiglu`. x and out: contiguous
         CPU float32 or bfloat16. `body`: one of `bodies` (default: the active one); `reference`: the portable."""
-        if body is not None and body not in self.bodies:
-            raise ValueError(f"matmul body {body!r} is not in this build (built: {', '.join(self.bodies)})")
-        code = BODIES["portable"] if reference else BODIES[body] if body else 0
+        code = self._code("portable") if reference else self._code(body) if body is not None else 0
         rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), x.dtype == torch.bfloat16,
                                 x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(),
                                 code, None if norm is None else norm.data_ptr(), eps,
@@ -89,8 +97,7 @@ class Library:
     def running(self, body: str) -> Iterator[None]:
         """Inside the block, calls that name no body (and `vs_decoder`'s) run `body`; after it, `self.body` again.
         For benchmarks that compare bodies side by side (the bits are the same in each)."""
-        if body not in self.bodies or self.lib.vs_set_body(BODIES[body]):
-            raise ValueError(f"matmul body {body!r} is not in this build (built: {', '.join(self.bodies)})")
+        self.lib.vs_set_body(self._code(body))
         try:
             yield
         finally:
@@ -234,12 +241,11 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, p, p, p,
                                i64, i64, p, i32]
     lib.vs_decoder.restype = i32
-    lib.vs_has_avx2.restype = i32
     lib.vs_bodies.restype = i32
     lib.vs_set_body.argtypes = [i32]
     lib.vs_set_body.restype = i32
     built = tuple(name for name, code in BODIES.items() if lib.vs_bodies() & (1 << code))
-    library = Library(lib, out, flags, bool(lib.vs_has_avx2()), openmp_marker.exists(), built, built[-1])
+    library = Library(lib, out, flags, openmp_marker.exists(), built, built[-1])
     body, choice = choose_body(library)
     if lib.vs_set_body(BODIES[body]):
         raise KernelUnavailable(f"{out} does not have its own {body} body")

@@ -608,15 +608,6 @@ int vs_rope(float *x, int64_t N, int64_t stride, int64_t heads, int64_t hd, cons
     return 0;
 }
 
-/* whether this build has the AVX2 body */
-int vs_has_avx2(void) {
-#ifdef VS_AVX2
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* the matmul bodies: VS_BODY_ACTIVE (0) in a call means the one vs_set_body chose (at first the fastest built) */
 enum { VS_BODY_ACTIVE = 0, VS_BODY_PORTABLE = 1, VS_BODY_AVX2 = 2, VS_BODY_AVX512 = 3 };
 
@@ -640,10 +631,12 @@ static int active_body = VS_BODY_AVX2;
 static int active_body = VS_BODY_PORTABLE;
 #endif
 
+static int body_built(int body) { return body > 0 && body <= VS_BODY_AVX512 && (vs_bodies() & (1 << body)); }
+
 /* the body that calls with VS_BODY_ACTIVE (and vs_decoder) run; returns 0, or -1 for one not in this build. All
  * bodies give the same bits, so the choice changes only the speed */
 int vs_set_body(int body) {
-    if (body <= 0 || body > VS_BODY_AVX512 || !(vs_bodies() & (1 << body))) return -1;
+    if (!body_built(body)) return -1;
     active_body = body;
     return 0;
 }
@@ -688,7 +681,7 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
               int act) {
     if (vs_tile_bytes(kind) < 0 || K % QK || (residual && out_bf16) || (act && (x_bf16 || norm_w))) return -1;
     if (body == VS_BODY_ACTIVE) body = active_body;
-    if (body < 0 || body > VS_BODY_AVX512 || !(vs_bodies() & (1 << body))) return -1;
+    if (!body_built(body)) return -1;
     const int use_ref = body == VS_BODY_PORTABLE;
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
