@@ -322,3 +322,55 @@ def test_a_q8_0_head_drafts_like_the_float_head_and_stays_lossless(setup):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(setup["hf"], p, MAX_NEW)
     assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.2, "the rounded head still gets drafts accepted"
+
+
+def test_the_kernel_step_computes_the_heads_layer(setup):
+    """Beside a gguf-q8act target the rounded head drafts through a few kernel calls (drafters/eagle3_kernel.py):
+    q | k | v split at d along K with both norms fused, RoPE in place, vs_attention, fused residuals and SwiGLU.
+    Against the same rounded head's torch ops (separate q, k, v, gate and up weights; torch norms, RoPE, attention
+    and SwiGLU), for one row, a causal block and a draft tree's mask: the K/V written, the layer's output and the
+    logits agree to the rounding of the int8 activations, and the kernel writes no row it was not given."""
+    from verispec.drafters.eagle3 import attend
+
+    llm = setup["llm"]
+    head = load(str(setup["root"] / "head"), llm.model)
+    head.quantize_q8act()
+    kern = head.kernel
+    assert kern is not None
+    c = head.cfg
+    g = torch.Generator().manual_seed(5)
+    m = 20  # committed positions with K/V already in the caches
+    ctx_emb = head.embed(torch.randint(1, 60, (m,), generator=g))
+    ctx_feat = torch.randn(m, c.hidden_size, generator=g)
+    _, k0, v0 = head.qkv(ctx_emb, ctx_feat, torch.arange(m))
+    caches = torch.zeros(2, m + 8, c.num_kv_heads, c.head_dim)
+    caches[0, :m], caches[1, :m] = k0, v0
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    tree = torch.ones(3, m + 3, dtype=torch.bool)  # root (row m), two children of it (rows m + 1, m + 2)
+    tree[:, :m] = False
+    tree[:, m] = False
+    tree[1, m + 1] = tree[2, m + 2] = False
+    cases = {
+        "one row": (torch.tensor([m]), None),
+        "causal block": (torch.arange(m, m + 3), torch.arange(m + 3)[None, :] > torch.arange(m, m + 3)[:, None]),
+        "tree": (torch.tensor([m, m + 1, m + 1]), tree),
+    }
+    for name, (pos, blocked) in cases.items():
+        n = pos.shape[0]
+        emb = head.embed(torch.randint(1, 60, (n,), generator=g))
+        feat = torch.randn(n, c.hidden_size, generator=g)
+        kc, vc = caches[0].clone(), caches[1].clone()
+        out = kern.run(emb, feat, pos, slice(m, m + n), kc, vc, m + n, blocked)
+        q, k, v = head.qkv(emb, feat, pos)
+        rk, rv = caches[0].clone(), caches[1].clone()
+        rk[m : m + n], rv[m : m + n] = k, v
+        want = head.post(feat, attend(q, rk[: m + n], rv[: m + n], blocked))
+        assert torch.equal(kc[:m], caches[0, :m]) and torch.equal(kc[m + n :], caches[0, m + n :]), name
+        assert rel(kc[m : m + n], k) < 1e-3 and rel(vc[m : m + n], v) < 1e-3, name
+        assert rel(out, want) < 2e-3, name
+        ref_logits = head.lm_head(F.rms_norm(want, (c.hidden_size,), head.norm, c.rms_norm_eps)).float()
+        assert rel(kern.logits(out), ref_logits) < 5e-3, name
+        assert torch.equal(head.logits(out), kern.logits(out)), "the rounded head's logits are the kernel's"

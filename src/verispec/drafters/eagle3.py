@@ -19,7 +19,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
 from verispec.models.tree import TreeDraft
+
+if TYPE_CHECKING:
+    from verispec.drafters.eagle3_kernel import Eagle3Kernel
 
 ARCH = "LlamaForCausalLMEagle3"
 
@@ -89,6 +92,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id in draft vocab
         # the target's frozen embedding and RoPE tables: shared, not parameters of the head
         self._target = [target]
+        self.kernel: Eagle3Kernel | None = None  # inference beside a gguf-q8act target (`quantize_q8act`)
         if target.cfg.hidden_size != cfg.target_hidden_size or target.cfg.vocab_size != cfg.vocab_size:
             raise ValueError(
                 f"this EAGLE-3 head was trained for a target with hidden size {cfg.target_hidden_size} and vocabulary "
@@ -107,11 +111,15 @@ class Eagle3Head(nn.Module):
     def quantize_q8act(self) -> None:
         """Inference on verispec's CPU kernel: every linear rounded to Q8_0 blocks (gguf's quantizer), int8
         activations per 32, as the gguf-q8act target runs. A draft token then reads about a quarter of the
-        float32 weight bytes; drafts change a little, verification keeps the output exact. Not for training."""
+        float32 weight bytes; drafts change a little, verification keeps the output exact. Not for training.
+        Drafting then runs the layer in a few kernel calls per step (drafters/eagle3_kernel.py)."""
+        from verispec.drafters.eagle3_kernel import Eagle3Kernel
         from verispec.execution.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.device.type == "cpu", "the q8act kernel is CPU float32"
+        kernel = Eagle3Kernel(self)  # from the float weights: q | k | v and gate | up stacked
         round_linears(self, LINEARS)
+        self.kernel = kernel
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         # the target's table is frozen: detached, so training the head sends no gradient into it
@@ -144,6 +152,8 @@ class Eagle3Head(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[n, d] -> [n, Vd] draft-vocabulary logits (float32)."""
+        if self.kernel is not None:
+            return self.kernel.logits(h)
         return self.lm_head(rms(h, self.norm, self.cfg.rms_norm_eps)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor | int) -> torch.Tensor:
@@ -253,11 +263,11 @@ class Eagle3Drafter:
         """Write K/V at start.. and attend to 0..start+n-1 (causal). Returns the pre-norm outputs [n, d]."""
         n = emb.shape[0]
         pos = torch.arange(start, start + n, device=emb.device)
+        blocked = torch.arange(start + n, device=emb.device)[None, :] > pos[:, None] if n > 1 else None  # [n, L]
+        if self.head.kernel is not None:
+            return self.head.kernel.run(emb, feat, pos, slice(start, start + n), self.k, self.v, start + n, blocked)
         q, k, v = self.head.qkv(emb, feat, pos)
         self.k[start : start + n], self.v[start : start + n] = k, v
-        blocked = None
-        if n > 1:
-            blocked = torch.arange(start + n, device=emb.device)[None, :] > pos[:, None]  # [n, L]
         return self.head.post(feat, attend(q, self.k[: start + n], self.v[: start + n], blocked))
 
     def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -334,10 +344,9 @@ class Eagle3Drafter:
         dev = h_parent.device
         toks = torch.tensor([tree.token[i] for i in nodes], device=dev)
         pos = torch.tensor([self.n_kv - 1 + tree.depth[i] for i in nodes], device=dev)
-        q, k, v = self.head.qkv(self.head.embed(toks), h_parent, pos)
-        for i, ki, vi in zip(nodes, k, v):
+        first = tree.next_row
+        for i in nodes:
             tree.row[i] = tree.next_row
-            self.k[tree.next_row], self.v[tree.next_row] = ki, vi
             tree.next_row += 1
         L = tree.next_row
         blocked = torch.ones(len(nodes), L, dtype=torch.bool, device=dev)
@@ -345,6 +354,11 @@ class Eagle3Drafter:
         for j, i in enumerate(nodes):
             for a in tree.path(i):
                 blocked[j, tree.row[a]] = False
+        emb = self.head.embed(toks)
+        if self.head.kernel is not None:
+            return self.head.kernel.run(emb, h_parent, pos, slice(first, L), self.k, self.v, L, blocked)
+        q, k, v = self.head.qkv(emb, h_parent, pos)
+        self.k[first:L], self.v[first:L] = k, v
         return self.head.post(h_parent, attend(q, self.k[:L], self.v[:L], blocked))
 
     def observe(self, accepted: int) -> None:
@@ -374,8 +388,10 @@ class Eagle3Drafter:
         if self.n_kv:
             m = self.n_kv
             pos = torch.arange(m, device=fused.device)
-            _, k, v = self.head.qkv(self.head.embed(torch.tensor(list(tokens[1 : m + 1]), device=fused.device)),
-                                    fused[:m], pos)
+            emb = self.head.embed(torch.tensor(list(tokens[1 : m + 1]), device=fused.device))
+            kernel = self.head.kernel
+            # recomputed with the arithmetic the live K/V came from (the kernel's, beside a gguf-q8act target)
+            k, v = kernel.kv(kernel.qkv(emb, fused[:m], pos)) if kernel else self.head.qkv(emb, fused[:m], pos)[1:]
             for name, live, want in (("K", self.k[:m], k), ("V", self.v[:m], v)):
                 bad = differs(live, want)
                 if bad.numel():
