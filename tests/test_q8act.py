@@ -305,6 +305,23 @@ def test_attention_shared_keys_rows_without_keys_and_the_portable_body() -> None
         assert torch.equal(LIB.attention(q, k, v, hidden, reference=True), out)
 
 
+@pytest.mark.skipif(not LIB.avx2, reason="no vector body on this CPU")
+@pytest.mark.parametrize("hd", [8, 16, 64, 96, 128])
+def test_vector_attention_is_the_portable_bit_for_bit(hd: int) -> None:
+    """The vector attention (eight keys' scores reduced together, the output kept in registers across the keys, in
+    chunks of 64) against the portable body: every key count around the eight-key blocks, masked keys included."""
+    g = torch.Generator().manual_seed(hd)
+    for length in (1, 7, 8, 9, 33, 208):
+        q, k, v = (torch.randn(2, 3, hd, generator=g), torch.randn(2, length, hd, generator=g),
+                   torch.randn(2, length, hd, generator=g))
+        bias = torch.randn(2, 3, length, generator=g)
+        bias[:, 1, 1::3] = float("-inf")  # masked keys; every row keeps key 0
+        for b in (None, bias):
+            out = LIB.attention(q, k, v, b)
+            assert torch.equal(out, LIB.attention(q, k, v, b, reference=True)), (hd, length)
+            assert (out.double() - attention_ref(q, k, v, b)).abs().max() < 1e-5
+
+
 def test_rope_in_place_is_rotate_half_on_the_first_heads_only() -> None:
     from verispec.config import ModelConfig
     from verispec.models.rope import apply_rope, rope_tables

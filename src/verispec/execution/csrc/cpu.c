@@ -480,9 +480,39 @@ static void scores_ref(const float *q, int64_t qm, const float *k, int64_t kl, c
 }
 
 #ifdef VS_AVX2
+/* hsum8v of eight vectors at once: lane j of the result is hsum8v(a[j]), with the same additions in the same
+ * order ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), by a transposing network instead of eight reductions */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 x[4], y[2];
+    for (int j = 0; j < 4; j++) /* [a0+a4 .. a3+a7 | b0+b4 .. b3+b7] of keys 2j, 2j + 1 */
+        x[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++) /* [(x0+x2), (x1+x3) of keys 4j, 4j + 2 | of keys 4j + 1, 4j + 3] */
+        y[j] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1))); /* keys 0 2 4 6 | 1 3 5 7 */
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, const float *br, int64_t bm,
                         int64_t M, int64_t L, int64_t hd, float scale, float *s, int64_t ls) {
     int64_t l = 0;
+    for (; l + 8 <= L; l += 8) { /* eight keys at once: eight fma chains in dot8's order, reduced together */
+        const float *kr = k + l * kl;
+        for (int64_t m = 0; m < M; m++) {
+            const float *qr = q + m * qm;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < hd; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qr + i);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + j * kl + i), a[j]);
+            }
+            __m256 v = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
+            if (br) v = _mm256_add_ps(v, _mm256_loadu_ps(br + m * bm + l));
+            _mm256_storeu_ps(s + m * ls + l, v);
+        }
+    }
     for (; l + 4 <= L; l += 4) { /* four keys at once: four independent fma chains, each in dot8's order */
         const float *k0 = k + l * kl, *k1 = k0 + kl, *k2 = k1 + kl, *k3 = k2 + kl;
         for (int64_t m = 0; m < M; m++) {
@@ -544,6 +574,38 @@ static float softmax_row(float *sr, int64_t L, int vec) {
     return 1.0f / den;
 }
 
+#ifdef VS_AVX2
+/* out [8 NV] += sum over t < n of (p[t] inv) v[t * vl ..] in t order, p[t] = 0 skipped: axpy's fma per element,
+ * the output kept in NV registers across the keys instead of loaded and stored per key (the same bits) */
+static inline __attribute__((always_inline)) void pv_chunk(float *out, const float *v, int64_t vl, const float *p,
+                                                           int64_t n, float inv, const int NV) {
+    __m256 acc[8];
+    for (int u = 0; u < NV; u++) acc[u] = _mm256_loadu_ps(out + 8 * u);
+    for (int64_t t = 0; t < n; t++) {
+        if (p[t] == 0.0f) continue;
+        const __m256 w = _mm256_set1_ps(p[t] * inv);
+        for (int u = 0; u < NV; u++) acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * vl + 8 * u), acc[u]);
+    }
+    for (int u = 0; u < NV; u++) _mm256_storeu_ps(out + 8 * u, acc[u]);
+}
+
+/* out [hd] (hd a multiple of 8) += sum over t < n of (p[t] inv) v_t, v_t = v + t vl: in chunks of 64 floats */
+static void pv_rows(float *out, const float *v, int64_t vl, const float *p, int64_t n, float inv, int64_t hd) {
+    for (int64_t c = 0; c < hd; c += 64) {
+        switch ((hd - c) / 8 < 8 ? (hd - c) / 8 : 8) {
+        case 8: pv_chunk(out + c, v + c, vl, p, n, inv, 8); break;
+        case 7: pv_chunk(out + c, v + c, vl, p, n, inv, 7); break;
+        case 6: pv_chunk(out + c, v + c, vl, p, n, inv, 6); break;
+        case 5: pv_chunk(out + c, v + c, vl, p, n, inv, 5); break;
+        case 4: pv_chunk(out + c, v + c, vl, p, n, inv, 4); break;
+        case 3: pv_chunk(out + c, v + c, vl, p, n, inv, 3); break;
+        case 2: pv_chunk(out + c, v + c, vl, p, n, inv, 2); break;
+        default: pv_chunk(out + c, v + c, vl, p, n, inv, 1); break;
+        }
+    }
+}
+#endif
+
 /* o [hd] = fma(a, v, o) element-wise */
 static inline void axpy(float *o, const float *v, float a, int64_t hd, int vec) {
     int64_t i = 0;
@@ -585,6 +647,13 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
         for (int64_t m = 0; m < M; m++) inv[m] = softmax_row(s + m * L, L, vec);
         float *o = out + b * M * hd;
         for (int64_t i = 0; i < M * hd; i++) o[i] = 0.0f;
+#ifdef VS_AVX2
+        if (vec) {
+            for (int64_t m = 0; m < M; m++) pv_rows(o + m * hd, vb_, vl, s + m * L, L, inv[m], hd);
+            free(s);
+            continue;
+        }
+#endif
         for (int64_t l = 0; l < L; l++) { /* out_m += (p_ml / sum p_m) v_l, l in order, masked keys skipped */
             const float *vr = vb_ + l * vl;
             for (int64_t m = 0; m < M; m++) {
@@ -790,6 +859,23 @@ static void attend_heads(const vs_rows *R, int64_t r, int64_t h, const float *q,
     float inv[64];
     for (int64_t a = 0; a < g; a++) inv[a] = softmax_row(s + a * ls, L, vec);
     for (int64_t i = 0; i < g * hd; i++) out[i] = 0.0f;
+#ifdef VS_AVX2
+    if (vec) { /* per head: the runs of consecutive positions, then the tree rows, in the order above */
+        for (int64_t a = 0; a < g; a++) {
+            for (int64_t j = lo; j < hi;) {
+                const int64_t end = (j / R->bs + 1) * R->bs < hi ? (j / R->bs + 1) * R->bs : hi;
+                pv_rows(out + a * hd, R->v + head + phys(R, r, j) * hd, hd, s + a * ls + (j - lo), end - j, inv[a],
+                        hd);
+                j = end;
+            }
+            int64_t i = hi - lo;
+            for (uint64_t m = anc; m; m &= m - 1, i++)
+                pv_rows(out + a * hd, R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd, hd, s + a * ls + i, 1,
+                        inv[a], hd);
+        }
+        return;
+    }
+#endif
     for (int64_t j = lo; j < hi; j++) {
         const float *vp = R->v + head + phys(R, r, j) * hd;
         for (int64_t a = 0; a < g; a++) {
