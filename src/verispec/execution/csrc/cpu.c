@@ -123,9 +123,18 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
     }
 }
 
-static inline void store(void *out, int out_bf16, int64_t i, float v) {
-    if (out_bf16) ((uint16_t *)out)[i] = f32_to_bf16(v);
-    else ((float *)out)[i] = v;
+/* where a product goes: p, float32 or bfloat16 (bf16) [M, N]; res: NULL or a float32 [M, N] residual added to each
+ * output as it is stored (float32 p only) */
+typedef struct {
+    void *p;
+    int bf16;
+    const float *res;
+} dest;
+
+static inline void store(const dest *o, int64_t i, float v) {
+    if (o->res) v += o->res[i];
+    if (o->bf16) ((uint16_t *)o->p)[i] = f32_to_bf16(v);
+    else ((float *)o->p)[i] = v;
 }
 
 static inline float hsum8(const float *l) { /* 8 lanes added in one fixed order */
@@ -150,10 +159,9 @@ static inline int32_t tile_quant(const uint8_t *qs, int kind, int i, int j) {
 static inline float tile_half(const uint8_t *p, int i) { uint16_t h; memcpy(&h, p + 2 * i, 2); return f16_to_f32(h); }
 
 /* --- the portable body: the reference arithmetic --- */
-static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
-                     int out_bf16, int nthreads) {
+static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, const dest *o) {
     const int64_t nb = K / QK, tb = vs_tile_bytes(kind), qoff = kind == Q4_1 ? 32 : 16;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int i = (int)(n % 8);
         for (int64_t r = 0; r < M; r++) {
@@ -167,7 +175,7 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
                 acc = fmaf((float)sum, d * sx, acc);
                 if (kind != Q8_0) mins = fmaf(kind == Q4_1 ? tile_half(t + 16, i) : -8.0f * d, x->ss[r * nb + b], mins);
             }
-            store(out, out_bf16, r * N + n, acc + mins);
+            store(o, r * N + n, acc + mins);
         }
     }
 }
@@ -200,12 +208,15 @@ static inline __m256i tile_dot(const __m256i *wv, const __m256i *wabs, const int
     return s32;
 }
 
-static inline void store8(void *out, int out_bf16, int64_t i, int64_t N, int64_t n0, __m256 v) {
+static inline void store8(const dest *o, int64_t i, int64_t N, int64_t n0, __m256 v) {
     float l[8];
-    _mm256_storeu_ps(l, v);
     const int n = (int)(N - n0 < 8 ? N - n0 : 8);
-    if (!out_bf16 && n == 8) { _mm256_storeu_ps((float *)out + i, v); return; }
-    for (int k = 0; k < n; k++) store(out, out_bf16, i + k, l[k]);
+    if (!o->bf16 && n == 8) {
+        _mm256_storeu_ps((float *)o->p + i, o->res ? _mm256_add_ps(v, _mm256_loadu_ps(o->res + i)) : v);
+        return;
+    }
+    _mm256_storeu_ps(l, v);
+    for (int k = 0; k < n; k++) store(o, i + k, l[k]);
 }
 
 #ifdef VS_AVX512
@@ -228,7 +239,7 @@ static inline __m256i tile_dot_vnni(const __m256i *wv, const int8_t *xb, int32_t
 /* RT activation rows (RT a constant: the accumulators stay in registers) against one row of 8-row tiles; vnni
  * (a constant too, only where the build has AVX-512 VNNI): the block sums by tile_dot_vnni */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, const int kind, const qrows *x,
-        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, void *out, int out_bf16, const int vnni) {
+        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, const dest *o, const int vnni) {
     const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
     __m256 acc[4], mins[4];
     for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
@@ -265,28 +276,27 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
         }
     }
     for (int t = 0; t < RT; t++)
-        store8(out, out_bf16, (r0 + t) * N + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
+        store8(o, (r0 + t) * N + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
 }
 
 static inline __attribute__((always_inline)) void group(const uint8_t *w, const int kind, const qrows *x,
-        int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16, const int vnni) {
+        int64_t M, int64_t N, int64_t K, int64_t g, const dest *o, const int vnni) {
     int64_t r0 = 0;
-    for (; r0 + 4 <= M; r0 += 4) tile_rows(w, kind, x, N, K, g, r0, 4, out, out_bf16, vnni);
+    for (; r0 + 4 <= M; r0 += 4) tile_rows(w, kind, x, N, K, g, r0, 4, o, vnni);
     switch (M - r0) { /* the rest in one pass over the tiles (2 + 1 would unpack them twice): measured */
-    case 3: tile_rows(w, kind, x, N, K, g, r0, 3, out, out_bf16, vnni); break;
-    case 2: tile_rows(w, kind, x, N, K, g, r0, 2, out, out_bf16, vnni); break;
-    case 1: tile_rows(w, kind, x, N, K, g, r0, 1, out, out_bf16, vnni); break;
+    case 3: tile_rows(w, kind, x, N, K, g, r0, 3, o, vnni); break;
+    case 2: tile_rows(w, kind, x, N, K, g, r0, 2, o, vnni); break;
+    case 1: tile_rows(w, kind, x, N, K, g, r0, 1, o, vnni); break;
     }
 }
 
-static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
-                      int out_bf16, int nthreads) {
+static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, const dest *o) {
     const int64_t groups = (N + 7) / 8;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, out, out_bf16, 0);
-        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, out, out_bf16, 0);
-        else group(w, Q8_0, x, M, N, K, g, out, out_bf16, 0);
+        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, o, 0);
+        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, o, 0);
+        else group(w, Q8_0, x, M, N, K, g, o, 0);
     }
 }
 #endif
@@ -315,17 +325,20 @@ static inline __m512 pair_half(const uint8_t *a, const uint8_t *b) { /* 8 + 8 fp
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
-static inline void store16(void *out, int out_bf16, int64_t i, int64_t N, int64_t n0, __m512 v) {
+static inline void store16(const dest *o, int64_t i, int64_t N, int64_t n0, __m512 v) {
     const int n = (int)(N - n0 < 16 ? N - n0 : 16);
-    if (!out_bf16 && n == 16) { _mm512_storeu_ps((float *)out + i, v); return; }
+    if (!o->bf16 && n == 16) {
+        _mm512_storeu_ps((float *)o->p + i, o->res ? _mm512_add_ps(v, _mm512_loadu_ps(o->res + i)) : v);
+        return;
+    }
     float l[16];
     _mm512_storeu_ps(l, v);
-    for (int k = 0; k < n; k++) store(out, out_bf16, i + k, l[k]);
+    for (int k = 0; k < n; k++) store(o, i + k, l[k]);
 }
 
 /* RT activation rows against groups g and g + 1 (both full tiles in memory; rows past N are padding) */
 static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, const int kind, const qrows *x,
-        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, void *out, int out_bf16) {
+        int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, const dest *o) {
     const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
     __m512 acc[8], mins[8];
     for (int t = 0; t < RT; t++) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm512_setzero_ps(); }
@@ -369,40 +382,39 @@ static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, co
         }
     }
     for (int t = 0; t < RT; t++)
-        store16(out, out_bf16, (r0 + t) * N + 8 * g, N, 8 * g, _mm512_add_ps(acc[t], mins[t]));
+        store16(o, (r0 + t) * N + 8 * g, N, 8 * g, _mm512_add_ps(acc[t], mins[t]));
 }
 
 static inline __attribute__((always_inline)) void pair(const uint8_t *w, const int kind, const qrows *x,
-        int64_t M, int64_t N, int64_t K, int64_t g, void *out, int out_bf16) {
+        int64_t M, int64_t N, int64_t K, int64_t g, const dest *o) {
     int64_t r0 = 0;
-    for (; r0 + 8 <= M; r0 += 8) pair_rows(w, kind, x, N, K, g, r0, 8, out, out_bf16);
+    for (; r0 + 8 <= M; r0 += 8) pair_rows(w, kind, x, N, K, g, r0, 8, o);
     switch (M - r0) { /* the rest in one pass over the tiles, as in group */
-    case 7: pair_rows(w, kind, x, N, K, g, r0, 7, out, out_bf16); break;
-    case 6: pair_rows(w, kind, x, N, K, g, r0, 6, out, out_bf16); break;
-    case 5: pair_rows(w, kind, x, N, K, g, r0, 5, out, out_bf16); break;
-    case 4: pair_rows(w, kind, x, N, K, g, r0, 4, out, out_bf16); break;
-    case 3: pair_rows(w, kind, x, N, K, g, r0, 3, out, out_bf16); break;
-    case 2: pair_rows(w, kind, x, N, K, g, r0, 2, out, out_bf16); break;
-    case 1: pair_rows(w, kind, x, N, K, g, r0, 1, out, out_bf16); break;
+    case 7: pair_rows(w, kind, x, N, K, g, r0, 7, o); break;
+    case 6: pair_rows(w, kind, x, N, K, g, r0, 6, o); break;
+    case 5: pair_rows(w, kind, x, N, K, g, r0, 5, o); break;
+    case 4: pair_rows(w, kind, x, N, K, g, r0, 4, o); break;
+    case 3: pair_rows(w, kind, x, N, K, g, r0, 3, o); break;
+    case 2: pair_rows(w, kind, x, N, K, g, r0, 2, o); break;
+    case 1: pair_rows(w, kind, x, N, K, g, r0, 1, o); break;
     }
 }
 
-static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, void *out,
-                        int out_bf16, int nthreads) {
+static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, const dest *o) {
     const int64_t groups = (N + 7) / 8, pairs = M >= PAIR_ROWS ? groups / 2 : 0, singles = groups - 2 * pairs;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (singles > 1)
+    #pragma omp for schedule(static) nowait /* disjoint outputs from the pairs' */
     for (int64_t p = pairs; p < pairs + singles; p++) { /* few rows, or an odd last group: 8 lanes, one tile */
         const int64_t g = pairs ? 2 * p : p;
-        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, out, out_bf16, 1);
-        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, out, out_bf16, 1);
-        else group(w, Q8_0, x, M, N, K, g, out, out_bf16, 1);
+        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, o, 1);
+        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, o, 1);
+        else group(w, Q8_0, x, M, N, K, g, o, 1);
     }
     if (!pairs) return;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
-        if (kind == Q4_0) pair(w, Q4_0, x, M, N, K, 2 * p, out, out_bf16);
-        else if (kind == Q4_1) pair(w, Q4_1, x, M, N, K, 2 * p, out, out_bf16);
-        else pair(w, Q8_0, x, M, N, K, 2 * p, out, out_bf16);
+        if (kind == Q4_0) pair(w, Q4_0, x, M, N, K, 2 * p, o);
+        else if (kind == Q4_1) pair(w, Q4_1, x, M, N, K, 2 * p, o);
+        else pair(w, Q8_0, x, M, N, K, 2 * p, o);
     }
 }
 #endif
@@ -769,29 +781,30 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
     float *s = (float *)scratch, *ss = s + M * nb, *xn = ss + M * nb;
     int32_t *qsum = (int32_t *)(xn + normed);
     int8_t *q = (int8_t *)(qsum + M * nb);
-    /* each row alone (normed or SwiGLU'd, then quantised), so the rows may go to threads: the same values */
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
-    for (int64_t r = 0; r < M; r++) {
-        const void *xr = (const char *)x + r * K * (x_bf16 ? 2 : 4) * (act ? 2 : 1); /* act: rows of 2K */
-        if (norm_w) rms_norm_row(xr, x_bf16, K, norm_w, eps, xn + r * K);
-        else if (act) swiglu_row((const float *)xr, K, xn + r * K, use_ref);
-        if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
-        else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
-    }
     const qrows rows = {q, s, ss, qsum};
+    const dest o = {out, out_bf16, residual}; /* the residual added as each output is stored */
+    /* one parallel region per call: the rows prepared, then the product's worksharing loops (a fork and join
+     * fewer per stage) */
+    #pragma omp parallel num_threads(nthreads)
+    {
+        /* each row alone (normed or SwiGLU'd, then quantised), so the rows may go to threads: the same values */
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            const void *xr = (const char *)x + r * K * (x_bf16 ? 2 : 4) * (act ? 2 : 1); /* act: rows of 2K */
+            if (norm_w) rms_norm_row(xr, x_bf16, K, norm_w, eps, xn + r * K);
+            else if (act) swiglu_row((const float *)xr, K, xn + r * K, use_ref);
+            if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
+            else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
+        }
 #ifdef VS_AVX512
-    if (body == VS_BODY_AVX512) gemm_avx512(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
-    else
+        if (body == VS_BODY_AVX512) gemm_avx512(w, kind, &rows, M, N, K, &o);
+        else
 #endif
 #ifdef VS_AVX2
-    if (body == VS_BODY_AVX2) gemm_avx2(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
-    else
+        if (body == VS_BODY_AVX2) gemm_avx2(w, kind, &rows, M, N, K, &o);
+        else
 #endif
-        gemm_ref(w, kind, &rows, M, N, K, out, out_bf16, nthreads);
-    if (residual) {
-        #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t i = r * N; i < (r + 1) * N; i++) ((float *)out)[i] += residual[i];
+            gemm_ref(w, kind, &rows, M, N, K, &o);
     }
     free(scratch);
     return 0;
