@@ -86,9 +86,12 @@ def test_activations_are_rounded_half_to_even_with_one_scale_per_32() -> None:
     x[1, 0], x[1, 32] = 127.0, -127.0  # row 1: s = 1 in both blocks, so halves are exact ties
     x[1, 1:6] = x[1, 33:38] = torch.tensor([2.5, -3.5, 0.5, -0.5, 1.5])
     x[1] = x[1].clamp(-127, 127)
-    out = Q8ActWeight(eye.reshape(n, -1), "Q8_0", n, k).matmul(x)
+    ident = Q8ActWeight(eye.reshape(n, -1), "Q8_0", n, k)
+    out = ident.matmul(x)
     assert torch.equal(out, quantised(x).float())  # q * s, rounded once to fp32 as the kernel's fma does
     assert out[1, 1:6].tolist() == out[1, 33:38].tolist() == [2.0, -4.0, 0.0, 0.0, 2.0]
+    xb = x.bfloat16()  # bfloat16 activations: their float values, rounded alike (then the product to bfloat16)
+    assert torch.equal(ident.matmul(xb), quantised(xb.float()).float().bfloat16())
 
 
 VECTOR_BODIES = [b for b in LIB.bodies if b != "portable"]

@@ -80,34 +80,48 @@ static float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact */
  * of 32, d = amax / 127, q = round-half-even(x * (1 / d)). The AVX2 lines compute the same values: max is exact
  * (a NaN ignored, as fmaxf does), x * inv is one IEEE product, and its rounding is nearbyintf's */
 static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s, float *ss, int32_t *qsum) {
+#ifdef VS_AVX2
+    /* whole vectors: a block's four in registers, its 32 int8 stored by two packs (the values are in -127..127,
+     * so the packs' saturation never acts) and one permutation back into element order */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < K / QK; b++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) {
+            const int64_t at = b * QK + 8 * i;
+            v[i] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at))), 16))
+                          : _mm256_loadu_ps((const float *)x + at);
+        }
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) mx = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), mx);
+        float l[8], amax = 0.0f;
+        _mm256_storeu_ps(l, mx);
+        for (int j = 0; j < 8; j++) amax = l[j] > amax ? l[j] : amax;
+        const float d = amax / 127.0f;
+        const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i qi[4], acc = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            acc = _mm256_add_epi32(acc, qi[i]);
+        }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, order));
+        int32_t t[8], sum = 0;
+        _mm256_storeu_si256((__m256i *)t, acc);
+        for (int k = 0; k < 8; k++) sum += t[k];
+        s[b] = d;
+        ss[b] = d * (float)sum;
+        qsum[b] = sum;
+    }
+#else
     for (int64_t b = 0; b < K / QK; b++) {
         float v[QK];
         for (int j = 0; j < QK; j++)
             v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
         float amax = 0.0f;
         int sum = 0;
-#ifdef VS_AVX2
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 mx = _mm256_setzero_ps();
-        for (int j = 0; j < QK; j += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)), mx);
-        float l[8];
-        _mm256_storeu_ps(l, mx);
-        for (int j = 0; j < 8; j++) amax = l[j] > amax ? l[j] : amax;
-        const float d = amax / 127.0f;
-        const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        __m256i acc = _mm256_setzero_si256();
-        for (int j = 0; j < QK; j += 8) {
-            const __m256i qi = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + j), inv),
-                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            acc = _mm256_add_epi32(acc, qi);
-            int32_t t[8];
-            _mm256_storeu_si256((__m256i *)t, qi);
-            for (int k = 0; k < 8; k++) q[b * QK + j + k] = (int8_t)t[k];
-        }
-        int32_t t[8];
-        _mm256_storeu_si256((__m256i *)t, acc);
-        for (int k = 0; k < 8; k++) sum += t[k];
-#else
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
         const float d = amax / 127.0f;
         const float inv = d != 0.0f ? 1.0f / d : 0.0f;
@@ -116,11 +130,11 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
             q[b * QK + j] = (int8_t)qj;
             sum += qj;
         }
-#endif
         s[b] = d;
         ss[b] = d * (float)sum;
         qsum[b] = sum;
     }
+#endif
 }
 
 /* where a product goes: p, float32 or bfloat16 (bf16) [M, N]; res: NULL or a float32 [M, N] residual added to each
@@ -735,6 +749,21 @@ int vs_set_body(int body) {
  * r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes (element j in lane j % 8, fma in order, hsum8) */
 static void rms_norm_row(const void *x, int x_bf16, int64_t K, const float *w, float eps, float *out) {
     float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#ifdef VS_AVX2
+    if (!x_bf16 && K % 8 == 0) { /* lane j % 8 in a vector: the same fmas in the same order */
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < K; j += 8) {
+            const __m256 v = _mm256_loadu_ps((const float *)x + j);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        _mm256_storeu_ps(l, acc);
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(l) / (float)K + eps));
+        for (int64_t j = 0; j < K; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps((const float *)x + j), inv),
+                                                    _mm256_loadu_ps(w + j)));
+        return;
+    }
+#endif
     for (int64_t j = 0; j < K; j++) {
         out[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
         l[j & 7] = fmaf(out[j], out[j], l[j & 7]);
