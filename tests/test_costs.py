@@ -136,8 +136,9 @@ def test_a_profile_that_underrates_verification_stops_misleading_dspark():
     assert policy.draft_lengths(cands, R) == [0] * R
 
 
-def test_probes_back_off_while_they_find_nothing():
-    """Probe gaps double while probes are rejected (8, 16, 32, 64, 64) and drop back to 8 after one that matched."""
+def test_probes_back_off_until_speculation_resumes():
+    """Probe gaps double after each probe (8, 16, 32, 64, 64), whether it matched or not, and drop back to 8 once the
+    policy drafts by itself (an ordinary draft, accepted or not)."""
     est = AcceptanceEstimator()
 
     def next_gap() -> int:
@@ -151,9 +152,13 @@ def test_probes_back_off_while_they_find_nothing():
         gaps.append(next_gap())
         est.update(drafted=2, accepted=0)
     assert gaps == [8, 16, 32, 64, 64]
-    next_gap()
+    est = AcceptanceEstimator()
+    for want in (8, 16, 32):
+        assert next_gap() == want
+        est.update(drafted=2, accepted=2)  # the probe matched, but the policy stays off: the next wait doubles
+    assert next_gap() == 64
     est.update(drafted=2, accepted=1)  # this probe matched
-    est.update(drafted=4, accepted=0)  # a failed ordinary draft, no probe: the gap stays
+    est.update(drafted=4, accepted=0)  # and the policy drafted by itself (a failed ordinary draft): back to 8
     assert next_gap() == 8
 
 
