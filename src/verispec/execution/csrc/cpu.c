@@ -609,7 +609,7 @@ static float softmax_row(float *sr, int64_t L, int vec) {
 }
 
 #ifdef VS_AVX2
-/* out [8 NV] += sum over t < n of (p[t] inv) v[t * vl ..] in t order, p[t] = 0 skipped: axpy's fma per element,
+/* out [8 NV] += sum over t < n of (p[t] inv) v[t * vl ..] in t order, p[t] = 0 skipped: pv_rows' fma per element,
  * the output kept in NV registers across the keys instead of loaded and stored per key (the same bits) */
 static inline __attribute__((always_inline)) void pv_chunk(float *out, const float *v, int64_t vl, const float *p,
                                                            int64_t n, float inv, const int NV) {
@@ -622,10 +622,14 @@ static inline __attribute__((always_inline)) void pv_chunk(float *out, const flo
     }
     for (int u = 0; u < NV; u++) _mm256_storeu_ps(out + 8 * u, acc[u]);
 }
+#endif
 
-/* out [hd] (hd a multiple of 8) += sum over t < n of (p[t] inv) v_t, v_t = v + t vl: in chunks of 64 floats */
-static void pv_rows(float *out, const float *v, int64_t vl, const float *p, int64_t n, float inv, int64_t hd) {
-    for (int64_t c = 0; c < hd; c += 64) {
+/* out [hd] += sum over t < n of (p[t] inv) v_t, v_t = v + t vl: per element one fma per key, t in order, keys with
+ * p[t] = 0 skipped. vec (hd a multiple of 8): the same fmas, the output in registers in chunks of 64 floats */
+static void pv_rows(float *out, const float *v, int64_t vl, const float *p, int64_t n, float inv, int64_t hd,
+                    int vec) {
+#ifdef VS_AVX2
+    for (int64_t c = 0; vec && c < hd; c += 64) {
         switch ((hd - c) / 8 < 8 ? (hd - c) / 8 : 8) {
         case 8: pv_chunk(out + c, v + c, vl, p, n, inv, 8); break;
         case 7: pv_chunk(out + c, v + c, vl, p, n, inv, 7); break;
@@ -637,20 +641,15 @@ static void pv_rows(float *out, const float *v, int64_t vl, const float *p, int6
         default: pv_chunk(out + c, v + c, vl, p, n, inv, 1); break;
         }
     }
-}
-#endif
-
-/* o [hd] = fma(a, v, o) element-wise */
-static inline void axpy(float *o, const float *v, float a, int64_t hd, int vec) {
-    int64_t i = 0;
-#ifdef VS_AVX2
-    const __m256 av = _mm256_set1_ps(a);
-    for (; vec && i + 8 <= hd; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+    if (vec) return;
 #else
     (void)vec;
 #endif
-    for (; i < hd; i++) o[i] = fmaf(a, v[i], o[i]);
+    for (int64_t t = 0; t < n; t++) {
+        if (p[t] == 0.0f) continue;
+        const float a = p[t] * inv;
+        for (int64_t i = 0; i < hd; i++) out[i] = fmaf(a, v[t * vl + i], out[i]);
+    }
 }
 
 /* q [B, M, hd] (strides qb, qm), k and v [B, L, hd] (strides kb, kl and vb, vl), bias [B?, M?, L] or NULL
@@ -681,21 +680,7 @@ int vs_attention(const float *q, int64_t qb, int64_t qm, const float *k, int64_t
         for (int64_t m = 0; m < M; m++) inv[m] = softmax_row(s + m * L, L, vec);
         float *o = out + b * M * hd;
         for (int64_t i = 0; i < M * hd; i++) o[i] = 0.0f;
-#ifdef VS_AVX2
-        if (vec) {
-            for (int64_t m = 0; m < M; m++) pv_rows(o + m * hd, vb_, vl, s + m * L, L, inv[m], hd);
-            free(s);
-            continue;
-        }
-#endif
-        for (int64_t l = 0; l < L; l++) { /* out_m += (p_ml / sum p_m) v_l, l in order, masked keys skipped */
-            const float *vr = vb_ + l * vl;
-            for (int64_t m = 0; m < M; m++) {
-                const float p = s[m * L + l];
-                if (p == 0.0f) continue;
-                axpy(o + m * hd, vr, p * inv[m], hd, vec);
-            }
-        }
+        for (int64_t m = 0; m < M; m++) pv_rows(o + m * hd, vb_, vl, s + m * L, L, inv[m], hd, vec); /* (p / sum p) v */
         free(s);
     }
     return failed ? -2 : 0;
@@ -881,6 +866,12 @@ static inline int64_t phys(const vs_rows *R, int64_t r, int64_t j) {
     return (int64_t)R->tables[R->toff[r] + j / R->bs] * R->bs + j % R->bs;
 }
 
+/* the end of the run of consecutive cache positions from j (the rest of j's block), at most hi */
+static inline int64_t run_end(const vs_rows *R, int64_t j, int64_t hi) {
+    const int64_t end = (j / R->bs + 1) * R->bs;
+    return end < hi ? end : hi;
+}
+
 /* g query heads' attention (q, out: [g, hd], one kv head's group or part of it): each head against row r's keys
  * lo .. hi - 1 and hi + (bits of anc) of kv head h; s: scratch [g, count]. The keys and values are read once for the
  * g heads; each head's scores, softmax and sum are computed as for that head alone (the same bits) */
@@ -889,7 +880,7 @@ static void attend_heads(const vs_rows *R, int64_t r, int64_t h, const float *q,
     const int64_t head = R->base[r] + h * R->hstride, ls = hi - lo + __builtin_popcountll(anc);
     int64_t L = hi - lo;
     for (int64_t j = lo; j < hi;) { /* runs of consecutive positions: one block each */
-        const int64_t end = (j / R->bs + 1) * R->bs < hi ? (j / R->bs + 1) * R->bs : hi;
+        const int64_t end = run_end(R, j, hi);
         const float *kp = R->k + head + phys(R, r, j) * hd;
 #ifdef VS_AVX2
         if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, end - j, hd, scale, s + (j - lo), ls);
@@ -909,35 +900,17 @@ static void attend_heads(const vs_rows *R, int64_t r, int64_t h, const float *q,
     float inv[64];
     for (int64_t a = 0; a < g; a++) inv[a] = softmax_row(s + a * ls, L, vec);
     for (int64_t i = 0; i < g * hd; i++) out[i] = 0.0f;
-#ifdef VS_AVX2
-    if (vec) { /* per head: the runs of consecutive positions, then the tree rows, in the order above */
-        for (int64_t a = 0; a < g; a++) {
-            for (int64_t j = lo; j < hi;) {
-                const int64_t end = (j / R->bs + 1) * R->bs < hi ? (j / R->bs + 1) * R->bs : hi;
-                pv_rows(out + a * hd, R->v + head + phys(R, r, j) * hd, hd, s + a * ls + (j - lo), end - j, inv[a],
-                        hd);
-                j = end;
-            }
-            int64_t i = hi - lo;
-            for (uint64_t m = anc; m; m &= m - 1, i++)
-                pv_rows(out + a * hd, R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd, hd, s + a * ls + i, 1,
-                        inv[a], hd);
+    for (int64_t a = 0; a < g; a++) { /* per head: the runs of consecutive positions, then the tree rows */
+        float *o = out + a * hd;
+        const float *p = s + a * ls;
+        for (int64_t j = lo; j < hi;) {
+            const int64_t end = run_end(R, j, hi);
+            pv_rows(o, R->v + head + phys(R, r, j) * hd, hd, p + (j - lo), end - j, inv[a], hd, vec);
+            j = end;
         }
-        return;
-    }
-#endif
-    for (int64_t j = lo; j < hi; j++) {
-        const float *vp = R->v + head + phys(R, r, j) * hd;
-        for (int64_t a = 0; a < g; a++) {
-            const float p = s[a * ls + j - lo];
-            if (p != 0.0f) axpy(out + a * hd, vp, p * inv[a], hd, vec);
-        }
-    }
-    int64_t i = hi - lo;
-    for (uint64_t m = anc; m; m &= m - 1, i++) {
-        const float *vp = R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd;
-        for (int64_t a = 0; a < g; a++)
-            if (s[a * ls + i] != 0.0f) axpy(out + a * hd, vp, s[a * ls + i] * inv[a], hd, vec);
+        int64_t i = hi - lo;
+        for (uint64_t m = anc; m; m &= m - 1, i++)
+            pv_rows(o, R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd, hd, p + i, 1, inv[a], hd, vec);
     }
 }
 
