@@ -44,9 +44,8 @@ class Eagle3Kernel:
         """emb, feat: [n, d] float32 -> [n, (H + 2K) hd]: q and k rotated at `positions`, then v."""
         h, c = self.head, self.head.cfg
         first = self.qkv_emb.matmul(emb, norm=h.input_layernorm, eps=c.rms_norm_eps)
-        out = self.qkv_feat.matmul(feat.contiguous(), norm=h.hidden_norm, eps=c.rms_norm_eps, residual=first)
-        t = h._target[0]
-        self.lib.rope(out, c.num_heads + c.num_kv_heads, c.head_dim, t.rope_cos[positions], t.rope_sin[positions])
+        out = self.qkv_feat.matmul(feat, norm=h.hidden_norm, eps=c.rms_norm_eps, residual=first)
+        self.lib.rope(out, c.num_heads + c.num_kv_heads, c.head_dim, *h.rope(positions))
         return out
 
     def kv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,20 +63,19 @@ class Eagle3Kernel:
         h, c = self.head, self.head.cfg
         n, H, KH, hd = emb.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         G = H // KH
+        feat = feat.contiguous()  # the qkv input and the residual
         qkv = self.qkv(emb, feat, positions)
         k, v = self.kv(qkv)
         k_cache[rows], v_cache[rows] = k, v
         q = qkv[:, : H * hd]
-        if n == 1:
-            q3 = q.view(KH, G, hd)  # query heads grouped by their kv head
-            bias = None
-        else:
-            q3 = q.reshape(n, KH, G, hd).transpose(0, 1).reshape(KH, n * G, hd)
-            bias = None if blocked is None else torch.zeros(blocked.shape).masked_fill_(blocked, float("-inf"))
-            bias = None if bias is None else bias.repeat_interleave(G, 0)[None]  # [1, n G, keys]
+        # query heads grouped by their kv head: [KH, n G, hd], row r's G heads together
+        q3 = q.view(KH, G, hd) if n == 1 else q.reshape(n, KH, G, hd).transpose(0, 1).reshape(KH, n * G, hd)
+        bias = None
+        if blocked is not None:  # [1, n G, keys]: each row's mask for each of its G heads
+            bias = torch.zeros(blocked.shape).masked_fill_(blocked, float("-inf")).repeat_interleave(G, 0)[None]
         att = self.lib.attention(q3, k_cache[:keys].transpose(0, 1), v_cache[:keys].transpose(0, 1), bias)
         att = att.view(1, H * hd) if n == 1 else att.view(KH, n, G, hd).transpose(0, 1).reshape(n, H * hd)
-        x = h.o_proj.matmul(att, residual=feat.contiguous())
+        x = h.o_proj.matmul(att, residual=feat)
         mid = self.gate_up.matmul(x, norm=h.post_attention_layernorm, eps=c.rms_norm_eps)
         return h.down_proj.matmul(mid, swiglu=True, residual=x)
 
