@@ -160,6 +160,7 @@ typedef struct {
     const float *s;  /* [M, K/32] */
     const float *ss; /* [M, K/32] */
     const int32_t *qsum; /* [M, K/32]: each block's sum of q (exact) */
+    const int8_t *qb; /* [M, K/4, 32], the AVX2 body only: each group of 4 of q repeated 8 times (32-byte aligned) */
 } qrows;
 
 /* element j of row i of an x8 tile's quants */
@@ -195,20 +196,16 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
 }
 
 #ifdef VS_AVX2
-/* one activation row's block xb (32 int8) against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows'
- * block sums. Group g's 4 bytes go to every lane by an in-lane shuffle of the block's half loaded into both 128-bit
- * lanes (cheaper here than a broadcast load per group). 4-bit: maddubs (unsigned w x signed x, neighbours added
+/* one activation row's block (32 int8) against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows'
+ * block sums. xb holds the block's 8 groups of 4 bytes, each already in every lane (vs_linear writes them once
+ * per row; a load each here instead of a shuffle per tile and row: whole forwards x0.89-0.93 at 2-32 rows on a
+ * Zen 1 AVX2 CPU, where the shuffles competed with the multiplies for the vector pipes). 4-bit: maddubs (unsigned w x signed x, neighbours added
  * into int16) of all 8 groups summed in int16 (at most 8 * 2 * 15 * 127 = 30480), then one madd with ones. 8-bit:
  * |w| against sign(w) x, each group madd'ed alone (2 * 128 * 127 leaves no int16 room) */
 static inline __m256i tile_dot(const __m256i *wv, const __m256i *wabs, const int8_t *xb, int kind) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-    const __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
     __m256i x[8];
-    x[0] = _mm256_shuffle_epi32(h0, 0x00); x[1] = _mm256_shuffle_epi32(h0, 0x55);
-    x[2] = _mm256_shuffle_epi32(h0, 0xaa); x[3] = _mm256_shuffle_epi32(h0, 0xff);
-    x[4] = _mm256_shuffle_epi32(h1, 0x00); x[5] = _mm256_shuffle_epi32(h1, 0x55);
-    x[6] = _mm256_shuffle_epi32(h1, 0xaa); x[7] = _mm256_shuffle_epi32(h1, 0xff);
+    for (int g = 0; g < 8; g++) x[g] = _mm256_load_si256((const __m256i *)(xb + 32 * g));
     if (kind != Q8_0) {
         __m256i s16 = _mm256_maddubs_epi16(wv[0], x[0]);
         for (int g = 1; g < 8; g++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[g], x[g]));
@@ -286,11 +283,12 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         for (int t = 0; t < RT; t++) {
             const int64_t rb = (r0 + t) * nb + b;
-            const int8_t *xb = x->q + (r0 + t) * K + b * QK;
+            const int8_t *xb8 = x->qb + rb * 256;
 #ifdef VS_AVX512
-            const __m256i sum = vnni ? tile_dot_vnni(wv, xb, x->qsum[rb], kind) : tile_dot(wv, wabs, xb, kind);
+            const int8_t *xb = x->q + (r0 + t) * K + b * QK;
+            const __m256i sum = vnni ? tile_dot_vnni(wv, xb, x->qsum[rb], kind) : tile_dot(wv, wabs, xb8, kind);
 #else
-            const __m256i sum = tile_dot(wv, wabs, xb, kind);
+            const __m256i sum = tile_dot(wv, wabs, xb8, kind);
 #endif
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb])), acc[t]);
             if (kind != Q8_0) mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t]);
@@ -798,12 +796,15 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
     if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / QK;
     const int64_t normed = norm_w || act ? M * K : 0;
-    void *scratch = malloc((size_t)((normed + 3 * M * nb) * (int64_t)sizeof(float) + M * K));
+    const int64_t bcast = body == VS_BODY_AVX2 ? 8 * M * K : 0; /* the AVX2 body's broadcast groups */
+    const size_t bytes = (size_t)(bcast + (normed + 3 * M * nb) * (int64_t)sizeof(float) + M * K);
+    void *scratch = aligned_alloc(32, (bytes + 31) / 32 * 32);
     if (!scratch) return -2;
-    float *s = (float *)scratch, *ss = s + M * nb, *xn = ss + M * nb;
+    int8_t *qb = (int8_t *)scratch; /* first, so 32-byte aligned */
+    float *s = (float *)(qb + bcast), *ss = s + M * nb, *xn = ss + M * nb;
     int32_t *qsum = (int32_t *)(xn + normed);
     int8_t *q = (int8_t *)(qsum + M * nb);
-    const qrows rows = {q, s, ss, qsum};
+    const qrows rows = {q, s, ss, qsum, qb};
     const dest o = {out, out_bf16, residual}; /* the residual added as each output is stored */
     /* one parallel region per call: the rows prepared, then the product's worksharing loops (a fork and join
      * fewer per stage) */
@@ -817,6 +818,14 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
             else if (act) swiglu_row((const float *)xr, K, xn + r * K, use_ref);
             if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
             else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
+#ifdef VS_AVX2
+            if (bcast)
+                for (int64_t g = 0; g < K / 4; g++) { /* group g's 4 bytes in every 32-bit lane */
+                    int32_t e;
+                    memcpy(&e, q + r * K + 4 * g, 4);
+                    _mm256_store_si256((__m256i *)(qb + (r * K / 4 + g) * 32), _mm256_set1_epi32(e));
+                }
+#endif
         }
 #ifdef VS_AVX512
         if (body == VS_BODY_AVX512) gemm_avx512(w, kind, &rows, M, N, K, &o);
