@@ -356,20 +356,27 @@ class LlamaModel(nn.Module):
 
     def _head(self, x: torch.Tensor, segments: Sequence[Segment], logits_indices: torch.Tensor | Sequence[int] | None,
               return_last_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [N, d] -> (logits [M, vocab] float32 of the requested rows, [N, d] after the final norm or None)."""
-        if logits_indices is None:  # the last row of each segment
-            ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
-            logits_indices = ends.to(self.device)
-        elif not isinstance(logits_indices, torch.Tensor):
-            logits_indices = torch.tensor(list(logits_indices), dtype=torch.long, device=self.device)
-        if return_last_hidden:
-            last = rms_norm(x, self.norm, self.cfg.rms_norm_eps)  # [N, d]
-            sel = last[logits_indices]
-        else:
-            last = None
-            sel = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)  # [M, d]
+        """x: [N, d] -> (logits [M, vocab] float32 of the requested rows, [N, d] after the final norm or None). The
+        logits take one arithmetic whether or not the hidden states are asked for: the final norm of the selected
+        rows and the head in one `norm_linear` (one call where the head is a kernel that takes the norm)."""
+        eps = self.cfg.rms_norm_eps
         head = self.output_weight() if self.head_weight is None else self.head_weight
-        return linear(sel, head, None).float(), last  # [M, vocab]
+        logits = norm_linear(_rows(x, segments, logits_indices), self.norm, eps, head, None).float()  # [M, vocab]
+        return logits, rms_norm(x, self.norm, eps) if return_last_hidden else None
+
+
+def _rows(x: torch.Tensor, segments: Sequence[Segment], indices: torch.Tensor | Sequence[int] | None) -> torch.Tensor:
+    """The rows of x [N, d] that logits are asked for: `indices`, or the last row of each segment; a view where they
+    are one run of rows (a decode step, a verify block)."""
+    if indices is None:
+        if len(segments) == 1:
+            return x[-1:]
+        indices = torch.tensor([s.length for s in segments]).cumsum(0) - 1
+    elif isinstance(indices, range) and indices.step == 1 and 0 <= indices.start <= indices.stop <= len(x):
+        return x[indices.start : indices.stop]
+    elif not isinstance(indices, torch.Tensor):
+        indices = torch.tensor(list(indices), dtype=torch.long)
+    return x[indices.to(x.device)]
 
 
 def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cache,
