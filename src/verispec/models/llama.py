@@ -30,7 +30,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.models.attention import AttentionKernel, AttentionPlan, CacheShape, attend_group, plan_attention
-from verispec.models.linear import fuses, linear, norm_linear, residual_linear, rms_norm
+from verispec.models.linear import fuses, norm_linear, residual_linear, rms_norm
 from verispec.models.mtp_layout import is_mtp_tensor
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.models.tree import depths

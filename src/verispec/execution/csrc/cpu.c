@@ -198,9 +198,9 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
 #ifdef VS_AVX2
 /* one activation row's block (32 int8) against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows'
  * block sums. xb holds the block's 8 groups of 4 bytes, each already in every lane (vs_linear writes them once
- * per row; a load each here instead of a shuffle per tile and row: whole forwards x0.89-0.93 at 2-32 rows on a
- * Zen 1 AVX2 CPU, where the shuffles competed with the multiplies for the vector pipes). 4-bit: maddubs (unsigned w x signed x, neighbours added
- * into int16) of all 8 groups summed in int16 (at most 8 * 2 * 15 * 127 = 30480), then one madd with ones. 8-bit:
+ * per row; a load each here instead of a shuffle per tile and row: whole forwards x0.91-0.94 at 2-32 rows on a
+ * Zen 1 AVX2 CPU, where the shuffles competed with the multiplies for the vector pipes). 4-bit: maddubs
+ * (unsigned w x signed x, neighbours added into int16) of all 8 groups summed in int16 (at most 8 * 2 * 15 * 127 = 30480), then one madd with ones. 8-bit:
  * |w| against sign(w) x, each group madd'ed alone (2 * 128 * 127 leaves no int16 room) */
 static inline __m256i tile_dot(const __m256i *wv, const __m256i *wabs, const int8_t *xb, int kind) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -283,12 +283,11 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         for (int t = 0; t < RT; t++) {
             const int64_t rb = (r0 + t) * nb + b;
-            const int8_t *xb8 = x->qb + rb * 256;
 #ifdef VS_AVX512
-            const int8_t *xb = x->q + (r0 + t) * K + b * QK;
-            const __m256i sum = vnni ? tile_dot_vnni(wv, xb, x->qsum[rb], kind) : tile_dot(wv, wabs, xb8, kind);
+            const __m256i sum = vnni ? tile_dot_vnni(wv, x->q + (r0 + t) * K + b * QK, x->qsum[rb], kind)
+                                     : tile_dot(wv, wabs, x->qb + rb * 256, kind);
 #else
-            const __m256i sum = tile_dot(wv, wabs, xb8, kind);
+            const __m256i sum = tile_dot(wv, wabs, x->qb + rb * 256, kind);
 #endif
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb])), acc[t]);
             if (kind != Q8_0) mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t]);
