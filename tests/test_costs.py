@@ -96,10 +96,39 @@ def test_measured_costs_are_the_least_squares_line_and_never_fall():
     assert all(a < b for a, b in zip([falling(n, 2) for n in range(1, 40)], [falling(n, 2) for n in range(2, 41)]))
 
 
+def test_well_measured_points_bound_the_line_where_small_blocks_cost_the_same():
+    """A forward bound by reading the weights: 2 tokens cost what 1 does, then the cost rises. The least-squares
+    line through tokens 1..9 puts 1 token below its measured time (and so the step from 1 to 3 tokens above it);
+    a token count measured min_count times bounds the estimate from below, carried forward at the least slope."""
+    prior = StepCosts(CostTable((1, 9), (7.8, 15.1)))
+    measured = {1: 7.4, 2: 7.5, 3: 8.6, 4: 9.0, 9: 13.9}
+
+    def fed(times: int) -> MeasuredStepCosts:
+        m = MeasuredStepCosts(prior, decay=0.0, min_count=4)
+        for t, sec in measured.items():
+            for _ in range(times):
+                m.observe(t, 1, sec)
+        return m
+
+    slope, intercept = statistics.linear_regression(list(measured), list(measured.values()))
+    least = 0.5 * (15.1 - 7.8) / 8  # half the profile's seconds per token over the measured range
+    assert slope > least and intercept + slope < 7.4  # the line alone underrates the single token
+    m = fed(4)
+    assert math.isclose(m(1), 7.4) and math.isclose(m(3), 8.6) and math.isclose(m(9), 13.9)
+    assert math.isclose(m(2), 7.4 + least)  # 7.5 measured, but never less than the least slope above 1 token
+    assert math.isclose(m(4), intercept + 4 * slope)  # the line where it is above every point carried forward
+    assert math.isclose(m(3) - m(1), 1.2) and intercept + 3 * slope - (intercept + slope) > 1.6  # the line: 1.7
+    costs = [m(n) for n in range(1, 40)]
+    assert all(b - a >= least - 1e-12 for a, b in zip(costs, costs[1:]))
+    seldom = fed(3)  # below min_count: only the line
+    assert all(math.isclose(seldom(n), intercept + slope * n) for n in range(1, 12))
+
+
 def test_one_cheap_step_does_not_make_extra_tokens_look_free():
     """A batch of 8 decodes at 8 tokens for a while (20 s each: 2.5 s per token, as profiled); one step with a draft
     (9 tokens) happens to take 19 s. The least-squares line alone would make every extra token free (slope 0); the
-    estimate keeps half the profile's cost per token, so a draft surviving half the time does not look like it pays."""
+    estimate keeps half the profile's cost per token, so a draft surviving 45% of the time does not look like it
+    pays."""
     prior = StepCosts(CostTable((1, 8, 16), (2.5, 20.0, 40.0)))
 
     def measured(min_slope: float) -> MeasuredStepCosts:
@@ -113,8 +142,8 @@ def test_one_cheap_step_does_not_make_extra_tokens_look_free():
     extra = m(9, 8) - m(8, 8)
     assert math.isclose(extra, 0.5 * 2.5)
     policy = DSparkPolicy(m, margin=0.0)
-    cands = [Candidate(1, AcceptanceEstimator(prior=0.5), confidences=False) for _ in range(8)]
-    # (8 + 0.5) / (20 + 1.25) < 8 / 20: nothing admitted (the line alone: (8 + 0.5) / 20, everything admitted)
+    cands = [Candidate(1, AcceptanceEstimator(prior=0.45), confidences=False) for _ in range(8)]
+    # (8 + 0.45) / (20 + 1.25) < 8 / 20: nothing admitted (the line alone: (8 + 0.45) / 20, everything admitted)
     assert policy.draft_lengths(cands, 8) == [0] * 8
     assert DSparkPolicy(measured(0.0), margin=0.0).draft_lengths(cands, 8) == [1] * 8
 
