@@ -42,13 +42,16 @@ def test_ngram_no_match_and_never_the_tail_itself():
     assert ngram_propose([1, 2, 3, 4], 3, 2, 1) == []
     d = NgramDrafter(NgramConfig(3, 1))
     assert d.propose([1, 2, 3, 4], 3).tokens == []
-    assert d.propose([9, 9], 3).tokens == [9]  # a context that does not extend the last one: re-indexed
+    assert d.propose([9, 9], 3).tokens == [9, 9, 9]  # a context that does not extend the last one: re-indexed
 
 
-def test_ngram_truncates_at_context_end():
-    # most recent earlier "7" is at index 3: only index 4 follows before the end
-    assert ngram_propose([7, 1, 2, 7, 7], 5, 1, 1) == [7]
-    assert ngram_propose([1, 2, 3, 1, 2], 5, 2, 2) == [3, 1, 2]
+def test_ngram_continues_periodically_at_context_end():
+    # most recent earlier "7" is at index 3: index 4 follows before the end, then the copy repeats with period 1
+    assert ngram_propose([7, 1, 2, 7, 7], 5, 1, 1) == [7, 7, 7, 7, 7]
+    # "1 2" at index 0: 3 1 2 follow before the end, period 3
+    assert ngram_propose([1, 2, 3, 1, 2], 5, 2, 2) == [3, 1, 2, 3, 1]
+    d = NgramDrafter(NgramConfig(2, 2))
+    assert d.propose([1, 2, 3, 1, 2], 7).tokens == [3, 1, 2, 3, 1, 2, 3]
 
 
 def test_ngram_incremental_equals_reference():

@@ -157,3 +157,30 @@ def test_margin_weighs_the_added_cost_of_drafts():
     cands = [Candidate(1, est)]
     assert DSparkPolicy(costs).verify_lengths(cands, [Draft([1], confidence=[0.25])], 1) == [0]
     assert DSparkPolicy(costs, margin=0.0).verify_lengths(cands, [Draft([1], confidence=[0.25])], 1) == [1]
+
+
+def test_dspark_keeps_the_best_prefix_and_first_drop_is_dspark_s_early_stop():
+    # the dip-then-rise costs above, through the policy: the default keeps the best prefix of the ordering (Theta
+    # 1.95, 1.9, 2.47 for 1, 2, 3 tokens), DSpark's own rule stops at the first drop
+    costs = StepCosts(CostTable((1, 2, 3, 4), (1.0, 1.0, 1.5, 1.5)))
+    cands, drafts = [Candidate(3, AcceptanceEstimator())], [Draft([1, 2, 3], confidence=[0.95, 0.9 / 0.95, 0.85 / 0.9])]
+    assert DSparkPolicy(costs, margin=0.0).verify_lengths(cands, drafts, 1) == [3]
+    assert DSparkPolicy(costs, margin=0.0, first_drop=True).verify_lengths(cands, drafts, 1) == [1]
+
+
+def test_dspark_drafts_a_confident_block_that_costs_next_to_nothing_whatever_the_estimate():
+    """A drafter with confidences whose whole block costs at most FREE_DRAFT_SHARE of the step drafts it even where
+    the online estimate would verify nothing (its confidences decide after drafting); a dearer one does not, and
+    one without confidences drafts only what the estimate admits."""
+    from verispec.engine.scheduler import FREE_DRAFT_SHARE
+
+    costs = StepCosts(CostTable((1, 2, 9), (1.0, 1.3, 2.0)))  # a draft token costs 0.3 of a step: p = 0.1 never pays
+    bad = AcceptanceEstimator(prior=0.1)
+    policy = DSparkPolicy(costs)
+    assert policy.draft_lengths([Candidate(8, bad)], 1) == [0]  # nothing measured yet: the estimate decides
+    cheap, dear = AcceptanceEstimator(prior=0.1), AcceptanceEstimator(prior=0.1)
+    cheap.draft_cost_per_token = 0.9 * FREE_DRAFT_SHARE / 8  # seconds, against a 1-second step
+    dear.draft_cost_per_token = 1.1 * FREE_DRAFT_SHARE / 8
+    assert policy.draft_lengths([Candidate(8, cheap)], 1) == [8]
+    assert policy.draft_lengths([Candidate(8, dear)], 1) == [0]
+    assert policy.draft_lengths([Candidate(8, cheap, confidences=False)], 1) == [0]

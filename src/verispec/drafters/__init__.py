@@ -25,6 +25,7 @@ class DrafterFactory:
         self.draft_model = None
         self.draft_cache = None
         self.suffix_cache = None
+        self.ngram_survival = None  # n-gram drafts' survival by match length, scored in hindsight (drafters/hindsight.py)
         self.learned = None  # a trained EAGLE-3 / DFlash / DSpark drafter module, or the target's MTP layers
         self.mtp_cache = None
         self.max_len = max_len
@@ -57,7 +58,12 @@ class DrafterFactory:
         return tuple(self.learned.feature_layers) if self.learned is not None else ()
 
     def reset_shared(self) -> None:
-        """Forget what drafters learned across requests (the suffix cache of earlier outputs)."""
+        """Forget what drafters learned across requests (the suffix cache of earlier outputs, the n-gram drafts'
+        survival)."""
+        if self.cfg.method == "ngram":
+            from verispec.drafters.hindsight import SurvivalTable
+
+            self.ngram_survival = SurvivalTable()
         if self.cfg.method == "suffix":
             from verispec.drafters.suffix import SuffixCache
 
@@ -83,7 +89,7 @@ def _no_drafter(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> N
 def _ngram(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
     from verispec.drafters.ngram import NgramConfig, NgramDrafter
 
-    return NgramDrafter(NgramConfig(f.cfg.prompt_lookup_max, f.cfg.prompt_lookup_min))
+    return NgramDrafter(NgramConfig(f.cfg.prompt_lookup_max, f.cfg.prompt_lookup_min), f.ngram_survival)
 
 
 def _suffix(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:

@@ -2,11 +2,14 @@
 
 For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens of the context are looked up among
 the n-grams that END STRICTLY BEFORE the end of the context (so the tail never matches itself; an occurrence may
-overlap the tail), the most recent such occurrence wins, and the up to k tokens that followed it are proposed
-(fewer where they run into the end of the context). Longer n-grams are preferred; no match gives an empty draft.
+overlap the tail), the most recent such occurrence wins, and the up to k tokens that followed it are proposed.
+Where they run into the end of the context the copy goes on with its own period (the draft's tokens continue it:
+a context that repeats every p tokens is guessed to keep repeating; vLLM's prompt lookup stops there instead).
+Longer n-grams are preferred; no match gives an empty draft.
 
 `ngram_propose` is the plain O(len(context) * n) reference; `NgramDrafter` keeps an n-gram -> last start index
-updated as the context grows, so one step costs O(n_max^2 + k) amortised.
+updated as the context grows, so one step costs O(n_max^2 + k) amortised. A chain comes with per-position
+confidences: the survival of drafts from matches of the same length, scored in hindsight (drafters/hindsight.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
+from verispec.drafters.hindsight import HindsightScorer, SurvivalTable
 from verispec.models.tree import TreeDraft
 
 
@@ -35,11 +39,23 @@ class NgramConfig:
             )
 
 
+def periodic_copy(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """k tokens copied from tokens[start:], continued past the end with period len(tokens) - start: position j
+    reads tokens[start + j] while that exists, else the copy's own token j - period (start < len(tokens))."""
+    length = len(tokens)
+    out = [int(t) for t in tokens[start : start + k]]
+    period = length - start
+    for j in range(len(out), k):
+        out.append(out[j - period])
+    return out
+
+
 def ngram_propose(context: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """Reference prompt lookup: up to k tokens following the most recent earlier occurrence of the tail.
+    """Reference prompt lookup: k tokens following the most recent earlier occurrence of the tail.
 
     Tries n = n_max .. n_min; for each, scans start positions i = L-n-1 down to 0 (an occurrence starting at
-    i ends at i+n <= L-1, strictly before the tail's end) and returns context[i+n : i+n+k] for the first hit.
+    i ends at i+n <= L-1, strictly before the tail's end) and returns context[i+n : i+n+k] for the first hit,
+    continued periodically (`periodic_copy`) where it reaches the end of the context.
     """
     toks = [int(t) for t in context]
     length = len(toks)
@@ -51,7 +67,7 @@ def ngram_propose(context: Sequence[int], k: int, n_max: int, n_min: int) -> lis
         tail = toks[length - n :]
         for i in range(length - n - 1, -1, -1):
             if toks[i : i + n] == tail:
-                return toks[i + n : i + n + k]
+                return periodic_copy(toks, i + n, k)
     return []
 
 
@@ -80,8 +96,8 @@ def continuation_tree(continuations: Iterable[tuple[int, Sequence[int]]], budget
 
 
 def ngram_tree(context: Sequence[int], budget: int, depth: int, n_max: int, n_min: int) -> TreeDraft:
-    """Reference tree lookup: the continuations (up to `depth` tokens) of the OCCURRENCES most recent earlier
-    occurrences of the tail, for n = n_max .. n_min, weighed into a tree of at most `budget` nodes."""
+    """Reference tree lookup: the continuations (`depth` tokens, periodic past the end) of the OCCURRENCES most
+    recent earlier occurrences of the tail, for n = n_max .. n_min, weighed into a tree of at most `budget` nodes."""
     toks = [int(t) for t in context]
     length = len(toks)
     conts = []
@@ -90,12 +106,14 @@ def ngram_tree(context: Sequence[int], budget: int, depth: int, n_max: int, n_mi
             continue
         tail = toks[length - n :]
         starts = [i for i in range(length - n - 1, -1, -1) if toks[i : i + n] == tail][:OCCURRENCES]
-        conts += [(n, toks[i + n : i + n + depth]) for i in starts]
+        conts += [(n, periodic_copy(toks, i + n, depth)) for i in starts]
     return continuation_tree(conts, budget)
 
 
 class NgramDrafter:
-    """Per request; deterministic (probs=None, confidence=None).
+    """Per request; deterministic (probs=None). A chain's confidence[j] is P(position j survives | the positions
+    before it did) for drafts whose match had the same tail length, from `survival` (shared across requests by
+    the drafter factory) and this request's own drafts, every one scored against the tokens committed after it.
 
     Index invariant: `_starts` maps every n-gram (n_min <= n <= n_max) that ends at an exclusive position
     e <= `_done` to its starts, oldest first (the chain reads the latest, a tree the recent ones), and
@@ -104,10 +122,11 @@ class NgramDrafter:
     """
 
     name = "ngram"
-    gives_confidence = False
+    gives_confidence = True
 
-    def __init__(self, config: NgramConfig | None = None) -> None:
+    def __init__(self, config: NgramConfig | None = None, survival: SurvivalTable | None = None) -> None:
         self.config = config or NgramConfig()
+        self.hindsight = HindsightScorer(survival if survival is not None else SurvivalTable())
         self._reset()
 
     def _reset(self) -> None:
@@ -120,8 +139,11 @@ class NgramDrafter:
         n = len(self._tokens)
         if len(context) < n or (n and int(context[n - 1]) != self._tokens[-1]):
             self._reset()  # not an extension of what we saw (should not happen within one request): start over
+            self.hindsight.pending.clear()
             n = 0
         self._tokens.extend(int(t) for t in context[n:])
+        if self.hindsight.pending and len(self._tokens) > n:
+            self.hindsight.score(self._tokens)
         toks, starts = self._tokens, self._starts
         lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         for end in range(self._done + 1, len(toks)):
@@ -130,7 +152,7 @@ class NgramDrafter:
         self._done = max(self._done, len(toks) - 1)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        """Up to k tokens continuing `context`; EMPTY when no n-gram of the tail occurred before."""
+        """k tokens continuing `context`; EMPTY when no n-gram of the tail occurred before."""
         self._sync(context)
         if k <= 0:
             return EMPTY
@@ -138,7 +160,9 @@ class NgramDrafter:
             starts = self._starts.get(gram)
             if starts:
                 start = starts[-1] + len(gram)
-                return Draft(tokens=self._tokens[start : start + k])
+                tokens = periodic_copy(self._tokens, start, k)
+                self.hindsight.proposed(len(self._tokens), len(gram), tokens)
+                return Draft(tokens=tokens, confidence=self.hindsight.confidence(len(gram), len(tokens)))
         return EMPTY
 
     def _tail_grams(self) -> list[tuple[int, ...]]:
@@ -152,7 +176,7 @@ class NgramDrafter:
         """`ngram_tree` from the index: the recent earlier occurrences' continuations, weighed into `budget` nodes."""
         self._sync(context)
         toks = self._tokens
-        conts = [(len(g), toks[start + len(g) : start + len(g) + depth]) for g in self._tail_grams() if depth > 0
+        conts = [(len(g), periodic_copy(toks, start + len(g), depth)) for g in self._tail_grams() if depth > 0
                  for start in reversed(self._starts.get(g, [])[-OCCURRENCES:])]
         return continuation_tree(conts, budget)
 
@@ -160,5 +184,6 @@ class NgramDrafter:
         """Stateless between steps: the accepted tokens arrive with the next context."""
 
     def release(self) -> None:
-        """Drop the per-request index."""
+        """Score what the request's tokens decide of its last drafts, then drop the per-request index."""
+        self.hindsight.score(self._tokens, final=True)
         self._reset()
