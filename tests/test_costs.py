@@ -74,13 +74,17 @@ def test_measured_costs_interpolate_extrapolate_and_clamp():
     assert math.isclose(m(64, 4), 96.0, rel_tol=1e-3) and math.isclose(m(16, 4), 48.0, rel_tol=1e-3)  # slope beyond
     stalled = MeasuredStepCosts(prior)
     stalled.observe(8, 1, 8.0)
-    stalled.observe(8, 1, 8000.0)  # one forward stalled 1000x: counted as 5x the estimate at most
-    assert math.isclose(stalled(8, 1), 0.8 * 8 + 0.2 * 40)
+    stalled.observe(8, 1, 8000.0)  # one forward stalled 1000x: the lower median of the two
+    assert stalled(8, 1) == 8.0
+    for _ in range(3):
+        stalled.observe(8, 1, 9.0)
+    stalled.observe(8, 1, 8000.0)  # counted as 5x the estimate at most, and the median of 8, 40, 9, 9, 9, 40: 9
+    assert stalled(8, 1) == 9.0
 
 
 def test_measured_costs_are_the_least_squares_line_and_never_fall():
     prior = StepCosts(CostTable((1, 32, 48, 64), (1.0, 32.0, 48.0, 64.0)))
-    m = MeasuredStepCosts(prior, decay=0.0)
+    m = MeasuredStepCosts(prior, window=1)
     pts = {20: 30.0, 32: 96.0, 48: 48.0, 56: 100.0}  # a noisy cheap 48
     for t, sec in pts.items():
         m.observe(t, 4, sec)
@@ -88,7 +92,7 @@ def test_measured_costs_are_the_least_squares_line_and_never_fall():
     assert all(math.isclose(m(t, 4), intercept + slope * t) for t in (10, 33, 48, 70))
     costs = [m(n, 4) for n in range(1, 80)]
     assert all(a <= b for a, b in zip(costs, costs[1:]))
-    falling = MeasuredStepCosts(prior, decay=0.0)
+    falling = MeasuredStepCosts(prior, window=1)
     falling.observe(10, 2, 50.0)
     falling.observe(20, 2, 40.0)  # measured cheaper at more tokens: never falling, and rising at least at half the
     # profile's 1 s per token, through the measured mean (15 tokens, 45 s)
@@ -104,7 +108,7 @@ def test_well_measured_points_bound_the_line_where_small_blocks_cost_the_same():
     measured = {1: 7.4, 2: 7.5, 3: 8.6, 4: 9.0, 9: 13.9}
 
     def fed(times: int) -> MeasuredStepCosts:
-        m = MeasuredStepCosts(prior, decay=0.0, min_count=4)
+        m = MeasuredStepCosts(prior, window=1, min_count=4)
         for t, sec in measured.items():
             for _ in range(times):
                 m.observe(t, 1, sec)

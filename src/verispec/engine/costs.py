@@ -11,7 +11,9 @@ gets speculation back.
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_left, bisect_right
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -78,7 +80,9 @@ class _Line:
 @dataclass
 class MeasuredStepCosts:
     """The profiled step costs corrected by the engine's own forwards. Per number of sequences in the forward, each
-    token count the engine ran keeps an exponential average of its measured seconds; once two or more token counts
+    token count the engine ran keeps the median (the lower one of an even count) of its last `window` measured
+    seconds: a stalled forward does not move it, where an exponential average moved by a fifth of the stall and
+    kept it while the policy, believing that token count dear, stopped running it. Once two or more token counts
     are measured, a query reads the least-squares line through them, its slope at least `min_slope` times the
     profile's over the same token counts (costs never fall as tokens grow, and one noisy step at a token count
     measured once cannot make extra tokens look free: at a busy batch that made drafts look like they paid until
@@ -96,12 +100,13 @@ class MeasuredStepCosts:
     slope per token, and a count measured once or twice (a lucky step) still only moves the line."""
 
     prior: StepCosts
-    decay: float = 0.8  # weight of the old average at each measured forward
+    window: int = 9  # measured forwards per token count whose median is its estimate
     clamp: tuple[float, float] = (0.2, 5.0)  # one forward counts within these multiples of the current estimate
     min_slope: float = 0.5  # the fitted line's cost per token is at least this fraction of the profile's
     min_count: int = 4  # forwards at one token count before its average bounds the estimate on its own
     points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> measured seconds
     counts: dict[int, dict[int, int]] = field(default_factory=dict)  # segments -> tokens -> forwards measured
+    samples: dict[int, dict[int, deque[float]]] = field(default_factory=dict)  # segments -> tokens -> last seconds
     # segments -> the fitted line, None below two measured token counts
     _lines: dict[int, _Line | None] = field(default_factory=dict, init=False)
 
@@ -113,8 +118,10 @@ class MeasuredStepCosts:
         old = pts.get(tokens)
         ref = old if old is not None else self(tokens, segments)
         lo, hi = self.clamp
-        x = min(hi * ref, max(lo * ref, seconds))  # a stall (or a lucky step) moves the estimate only so far
-        pts[tokens] = x if old is None else self.decay * old + (1 - self.decay) * x
+        x = min(hi * ref, max(lo * ref, seconds))  # a stall (or a lucky step) counts only so far
+        last = self.samples.setdefault(segments, {}).setdefault(tokens, deque(maxlen=self.window))
+        last.append(x)
+        pts[tokens] = statistics.median_low(last)
         seen = self.counts.setdefault(segments, {})
         seen[tokens] = seen.get(tokens, 0) + 1
         self._lines.pop(segments, None)
