@@ -15,13 +15,8 @@ and min..max); identity: every arm's output against plain's.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
-from verispec import LLM, SamplingParams
-from verispec.bench.load import MachineLoad
-from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec import LLM
+from verispec.bench.interleave import compare_arms
 
 LINE_ONLY = 10 ** 9  # min_count no token count reaches: the line alone, as before
 
@@ -40,48 +35,7 @@ def arms(base: LLM, k: int) -> dict[str, LLM]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=8, help="most draft tokens per step of the adaptive policies")
-    args = ap.parse_args(argv)
-    base = LLM(args.model, dtype="auto", device="cpu", max_model_len=2048, progress=False)
-    engines = arms(base, args.k)
-    for e in engines.values():
-        if e.spec.method != "none":
-            _ = e.costs  # the start-up profile, outside the timed runs
-    print(base.path_choice.describe())
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    print("\n| workload | arm | tok/s | speedup vs plain (min..max) | tau | drafted per step | identical |")
-    print("|---|---|---|---|---|---|---|")
-    load = MachineLoad().start()
-    for wl in args.workloads.split(","):
-        prompts = load_workload(wl, limit=args.limit)
-        rows: dict[str, list[tuple[float, float, float, bool]]] = {n: [] for n in engines}
-        for rep in range(args.repeats):
-            for i, p in enumerate(prompts):
-                order = list(engines.items())
-                r = (rep * len(prompts) + i) % len(order)
-                outs, speed = {}, {}
-                for name, e in order[r:] + order[:r]:
-                    t0 = time.perf_counter()
-                    o = e.chat([list(p.messages)], sp, use_tqdm=False)[0]
-                    speed[name] = len(o.token_ids) / (time.perf_counter() - t0)
-                    outs[name] = (o.token_ids, o.stats)
-                for name, (ids, st) in outs.items():
-                    rows[name].append((speed[name], st.get("mean_acceptance_length", 1.0),
-                                       st.get("num_draft_tokens", 0) / max(1, st.get("steps", 1)),
-                                       ids == outs["plain"][0]))
-        for name, rs in rows.items():
-            ratio = [a[0] / b[0] for a, b in zip(rs, rows["plain"])]
-            print(f"| {wl} | {name} | {statistics.median(x[0] for x in rs):.1f} | x{statistics.median(ratio):.2f} "
-                  f"({min(ratio):.2f}..{max(ratio):.2f}) | {statistics.fmean(x[1] for x in rs):.2f} | "
-                  f"{statistics.fmean(x[2] for x in rs):.2f} | {sum(x[3] for x in rs)}/{len(rs)} |", flush=True)
-    print(f"\n{load.stop().describe()}")
-    return 0
+    return compare_arms(__doc__, arms, argv, default_limit=4)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,8 @@ forward; drafted = draft tokens verified per step; identity: every arm's output 
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
-from verispec import LLM, SamplingParams
-from verispec.bench.load import MachineLoad
-from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec import LLM
+from verispec.bench.interleave import compare_arms
 from verispec.drafters.base import Draft
 
 
@@ -63,55 +58,7 @@ def arms(base: LLM, k: int) -> dict[str, LLM]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=8, help="most draft tokens per step of the adaptive policies")
-    args = ap.parse_args(argv)
-    base = LLM(args.model, dtype="auto", device="cpu", max_model_len=2048, progress=False)
-    engines = arms(base, args.k)
-    for e in engines.values():
-        if e.spec.method != "none":
-            _ = e.costs  # the start-up profile, outside the timed runs
-    print(base.path_choice.describe())
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    print("\n| workload | arm | pooled, per repeat | per prompt (min..max) | tau | drafted per step | identical |")
-    print("|---|---|---|---|---|---|---|")
-    load = MachineLoad().start()
-    for wl in args.workloads.split(","):
-        prompts = load_workload(wl, limit=args.limit)
-        # per arm: (repeat, tokens, seconds, tau, drafted per step, identical to plain)
-        rows: dict[str, list[tuple[int, int, float, float, float, bool]]] = {n: [] for n in engines}
-        for rep in range(args.repeats):
-            for i, p in enumerate(prompts):
-                order = list(engines.items())
-                r = (rep * len(prompts) + i) % len(order)
-                outs = {}
-                for name, e in order[r:] + order[:r]:
-                    t0 = time.perf_counter()
-                    o = e.chat([list(p.messages)], sp, use_tqdm=False)[0]
-                    outs[name] = (o.token_ids, o.stats, time.perf_counter() - t0)
-                for name, (ids, st, dt) in outs.items():
-                    rows[name].append((rep, len(ids), dt, st.get("mean_acceptance_length", 1.0),
-                                       st.get("num_draft_tokens", 0) / max(1, st.get("steps", 1)),
-                                       ids == outs["plain"][0]))
-        plain = rows["plain"]
-        for name, rs in rows.items():
-            pooled = []
-            for rep in range(args.repeats):
-                mine = [x for x in rs if x[0] == rep]
-                theirs = [x for x in plain if x[0] == rep]
-                pooled.append(sum(x[1] for x in mine) / sum(x[2] for x in mine)
-                              / (sum(x[1] for x in theirs) / sum(x[2] for x in theirs)))
-            ratio = [(a[1] / a[2]) / (b[1] / b[2]) for a, b in zip(rs, plain)]
-            print(f"| {wl} | {name} | {' / '.join(f'x{x:.2f}' for x in pooled)} | x{statistics.median(ratio):.2f} "
-                  f"({min(ratio):.2f}..{max(ratio):.2f}) | {statistics.fmean(x[3] for x in rs):.2f} | "
-                  f"{statistics.fmean(x[4] for x in rs):.2f} | {sum(x[5] for x in rs)}/{len(rs)} |", flush=True)
-    print(f"\n{load.stop().describe()}")
-    return 0
+    return compare_arms(__doc__, arms, argv, default_limit=10)
 
 
 if __name__ == "__main__":

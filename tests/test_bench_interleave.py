@@ -1,0 +1,46 @@
+"""The interleaved arms of a single-stream comparison (bench/interleave.py), on stand-in engines that record the
+order they were called in and return fixed outputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from verispec.bench.interleave import ArmRun, per_prompt_ratios, pooled_ratios, run_interleaved
+
+
+class _Arm:
+    def __init__(self, name: str, log: list, tokens: dict[int, list[int]]) -> None:
+        self.name, self.log, self.tokens = name, log, tokens
+
+    def chat(self, conversations, params, use_tqdm=False):
+        prompt = conversations[0][0]["content"]
+        self.log.append((self.name, prompt))
+        return [SimpleNamespace(token_ids=self.tokens[prompt], stats={"mean_acceptance_length": 2.0, "steps": 4,
+                                                                      "num_draft_tokens": 6})]
+
+
+def test_every_prompt_and_repeat_runs_every_arm_in_rotating_order_and_identity_is_against_the_baseline():
+    log: list = []
+    prompts = [SimpleNamespace(messages=[{"role": "user", "content": i}]) for i in range(3)]
+    same, other = {i: [i, 1, 2] for i in range(3)}, {0: [0, 1, 2], 1: [9], 2: [2, 1, 2]}
+    engines = {"plain": _Arm("plain", log, same), "a": _Arm("a", log, same), "b": _Arm("b", log, other)}
+    rows = run_interleaved(engines, prompts, None, repeats=2)
+    firsts = [log[3 * j][0] for j in range(6)]  # the first arm of each (repeat, prompt)
+    assert firsts == ["plain", "a", "b", "plain", "a", "b"]
+    assert sorted(log) == sorted((n, i) for n in engines for i in range(3) for _ in range(2))
+    assert [r.identical for r in rows["a"]] == [True] * 6
+    assert [r.identical for r in rows["b"]] == [True, False, True] * 2
+    assert [(r.repeat, r.prompt) for r in rows["b"]] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert rows["b"][1].tokens == 1 and rows["a"][0].drafted_per_step == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="baseline"):
+        run_interleaved({"a": engines["a"]}, prompts, None, repeats=1)
+
+
+def test_pooled_and_per_prompt_ratios():
+    # the arm: 10 tokens in 1 s and 30 in 1 s; the baseline: 10 in 2 s and 30 in 2 s (repeat 0), then all equal
+    arm = [ArmRun(0, 0, 10, 1.0, 1, 0, True), ArmRun(0, 1, 30, 1.0, 1, 0, True), ArmRun(1, 0, 10, 1.0, 1, 0, True)]
+    base = [ArmRun(0, 0, 10, 2.0, 1, 0, True), ArmRun(0, 1, 30, 2.0, 1, 0, True), ArmRun(1, 0, 10, 1.0, 1, 0, True)]
+    assert pooled_ratios(arm, base, 2) == pytest.approx([(40 / 2) / (40 / 4), 1.0])
+    assert per_prompt_ratios(arm, base) == pytest.approx([2.0, 2.0, 1.0])
