@@ -36,10 +36,11 @@ class SurvivalTable:
     reached: dict[tuple[Hashable, int], float] = field(default_factory=dict)
     survived: dict[tuple[Hashable, int], float] = field(default_factory=dict)
 
-    def rate(self, key: Hashable, j: int) -> float:
-        """P(position j survives | positions 1..j-1 did), for drafts of this key."""
+    def rate(self, key: Hashable, j: int, prior: float | None = None) -> float:
+        """P(position j survives | positions 1..j-1 did), for drafts of this key; `prior` in place of the table's."""
         n = self.reached.get((key, j), 0.0)
-        return (self.survived.get((key, j), 0.0) + self.prior * self.prior_weight) / (n + self.prior_weight)
+        p = self.prior if prior is None else prior
+        return (self.survived.get((key, j), 0.0) + p * self.prior_weight) / (n + self.prior_weight)
 
     def add(self, key: Hashable, survived: int, failed: bool) -> None:
         """One draft's outcome: positions 1..`survived` survived; position survived + 1 was reached and failed
@@ -69,23 +70,22 @@ class HindsightScorer:
 
     def __init__(self, shared: SurvivalTable) -> None:
         self.shared = shared
-        self.own = SurvivalTable(prior=0.0, prior_weight=0.0)  # the request's counts alone
+        self.own = SurvivalTable(prior_weight=REQUEST_WEIGHT)  # the request's counts, the shared rate its prior
         self.pending: list[_Pending] = []
 
     def confidence(self, key: Hashable, g: int) -> list[float]:
         """[g] conditional survival of positions 1..g: the shared rate, moved toward the request's own counts as
         they accumulate (weight REQUEST_WEIGHT for the shared one)."""
-        out = []
-        for j in range(1, g + 1):
-            n = self.own.reached.get((key, j), 0.0)
-            s = self.own.survived.get((key, j), 0.0)
-            out.append((s + REQUEST_WEIGHT * self.shared.rate(key, j)) / (n + REQUEST_WEIGHT))
-        return out
+        return [self.own.rate(key, j, prior=self.shared.rate(key, j)) for j in range(1, g + 1)]
 
     def proposed(self, start: int, key: Hashable, tokens: Sequence[int]) -> None:
         """A draft of `tokens` meant for positions start, start + 1, ... of the request's token stream."""
         if tokens:
             self.pending.append(_Pending(start, key, [int(t) for t in tokens]))
+
+    def forget(self) -> None:
+        """Drop the pending drafts unscored (the token stream they were meant for was replaced)."""
+        self.pending.clear()
 
     def score(self, stream: Sequence[int], final: bool = False) -> None:
         """Score the pending drafts `stream` (the committed tokens so far) decides: a position that differs, or the

@@ -139,7 +139,7 @@ class NgramDrafter:
         n = len(self._tokens)
         if len(context) < n or (n and int(context[n - 1]) != self._tokens[-1]):
             self._reset()  # not an extension of what we saw (should not happen within one request): start over
-            self.hindsight.pending.clear()
+            self.hindsight.forget()
             n = 0
         self._tokens.extend(int(t) for t in context[n:])
         if self.hindsight.pending and len(self._tokens) > n:

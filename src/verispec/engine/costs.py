@@ -103,12 +103,15 @@ class MeasuredStepCosts:
     window: int = 9  # measured forwards per token count whose median is its estimate
     clamp: tuple[float, float] = (0.2, 5.0)  # one forward counts within these multiples of the current estimate
     min_slope: float = 0.5  # the fitted line's cost per token is at least this fraction of the profile's
-    min_count: int = 4  # forwards at one token count before its average bounds the estimate on its own
-    points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> measured seconds
-    counts: dict[int, dict[int, int]] = field(default_factory=dict)  # segments -> tokens -> forwards measured
+    min_count: int = 4  # forwards at one token count before its median bounds the estimate on its own
+    points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> estimated seconds
     samples: dict[int, dict[int, deque[float]]] = field(default_factory=dict)  # segments -> tokens -> last seconds
     # segments -> the fitted line, None below two measured token counts
     _lines: dict[int, _Line | None] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        # a token count is well measured once min_count of its forwards are in its window
+        self.window = max(self.window, self.min_count)
 
     def observe(self, tokens: int, segments: int, seconds: float) -> None:
         """One measured forward of `tokens` tokens over `segments` sequences."""
@@ -122,8 +125,6 @@ class MeasuredStepCosts:
         last = self.samples.setdefault(segments, {}).setdefault(tokens, deque(maxlen=self.window))
         last.append(x)
         pts[tokens] = statistics.median_low(last)
-        seen = self.counts.setdefault(segments, {})
-        seen[tokens] = seen.get(tokens, 0) + 1
         self._lines.pop(segments, None)
 
     def _line(self, segments: int) -> _Line | None:
@@ -139,9 +140,9 @@ class MeasuredStepCosts:
                 lo, hi = min(pts), max(pts)
                 floor_b = max(0.0, self.min_slope * (self.prior(hi, segments) - self.prior(lo, segments)) / (hi - lo))
                 b = max(floor_b, sum((t - mt) * (v - mv) for t, v in pts.items()) / var)
-                seen = self.counts.get(segments, {})
+                seen = self.samples[segments]  # a window never shorter than min_count (__post_init__)
                 line = _Line(mv - b * mt, b, 0.1 * min(pts.values()), floor_b,
-                             sorted((t, v) for t, v in pts.items() if seen.get(t, 0) >= self.min_count))
+                             sorted((t, v) for t, v in pts.items() if len(seen[t]) >= self.min_count))
             self._lines[segments] = line
         return self._lines[segments]
 
