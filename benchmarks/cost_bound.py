@@ -7,7 +7,8 @@ by side, with plain decoding and static K = 3 as references.
 Conditions (MEASURE.md): concurrency 1, in process, the default model on `dtype auto`; greedy, `--max-tokens`,
 the first `--limit` prompts of each shipped workload, `--repeats` repeats, the arms interleaved (order rotated per
 prompt and repeat). Metric: output tok/s of one stream, prefill included; tau = tokens per target forward; drafted
-= draft tokens verified per step. Baseline: plain decoding on the same prompt and repeat (ratio per pair, median
+= draft tokens verified per step; `decode only` pools the tokens after each request's first over the time after
+it (prefill left out). Baseline: plain decoding on the same prompt and repeat (ratio per pair, median
 and min..max); identity: every arm's output against plain's.
 
     python benchmarks/cost_bound.py --limit 4 --repeats 2      (about 5 minutes on a 2-core CPU)

@@ -16,7 +16,8 @@ Conditions (MEASURE.md): concurrency 1, in process, the default model on `dtype 
 the first `--limit` prompts of each shipped workload, `--repeats` repeats, the arms interleaved (order rotated per
 prompt and repeat). Metric: output tok/s of one stream, prefill included. Baseline: plain decoding on the same
 prompts in the same repeat: `pooled` is all tokens / all seconds of the arm over the workload's prompts divided by
-plain's, per repeat; `per prompt` is the median (min..max) of the per-prompt ratios. tau = tokens per target
+plain's, per repeat; `decode only` the same after each request's first token (prefill, which speculation
+does not change, left out); `per prompt` is the median (min..max) of the per-prompt ratios. tau = tokens per target
 forward; drafted = draft tokens verified per step; identity: every arm's output against plain's.
 
     python benchmarks/ngram_confidence.py --limit 10 --repeats 2      (about 8 minutes on a 2-core CPU)

@@ -17,8 +17,8 @@ class _Arm:
     def chat(self, conversations, params, use_tqdm=False):
         prompt = conversations[0][0]["content"]
         self.log.append((self.name, prompt))
-        return [SimpleNamespace(token_ids=self.tokens[prompt], stats={"mean_acceptance_length": 2.0, "steps": 4,
-                                                                      "num_draft_tokens": 6})]
+        stats = {"mean_acceptance_length": 2.0, "steps": 4, "num_draft_tokens": 6, "ttft_s": 0.25}
+        return [SimpleNamespace(token_ids=self.tokens[prompt], stats=stats)]
 
 
 def test_every_prompt_and_repeat_runs_every_arm_in_rotating_order_and_identity_is_against_the_baseline():
@@ -34,6 +34,7 @@ def test_every_prompt_and_repeat_runs_every_arm_in_rotating_order_and_identity_i
     assert [r.identical for r in rows["b"]] == [True, False, True] * 2
     assert [(r.repeat, r.prompt) for r in rows["b"]] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert rows["b"][1].tokens == 1 and rows["a"][0].drafted_per_step == pytest.approx(1.5)
+    assert rows["a"][0].ttft == 0.25
     with pytest.raises(ValueError, match="baseline"):
         run_interleaved({"a": engines["a"]}, prompts, None, repeats=1)
 
@@ -44,3 +45,11 @@ def test_pooled_and_per_prompt_ratios():
     base = [ArmRun(0, 0, 10, 2.0, 1, 0, True), ArmRun(0, 1, 30, 2.0, 1, 0, True), ArmRun(1, 0, 10, 1.0, 1, 0, True)]
     assert pooled_ratios(arm, base, 2) == pytest.approx([(40 / 2) / (40 / 4), 1.0])
     assert per_prompt_ratios(arm, base) == pytest.approx([2.0, 2.0, 1.0])
+
+
+def test_decode_only_ratio_leaves_the_prefill_out():
+    # both arms spend 0.5 s on prefill; the arm decodes 10 tokens (9 after the first) in 0.5 s, the baseline in 1.5 s
+    arm = [ArmRun(0, 0, 10, 1.0, 2, 1, True, ttft=0.5)]
+    base = [ArmRun(0, 0, 10, 2.0, 1, 0, True, ttft=0.5)]
+    assert pooled_ratios(arm, base, 1) == pytest.approx([2.0])  # whole requests: 10 / 1 s against 10 / 2 s
+    assert pooled_ratios(arm, base, 1, decode=True) == pytest.approx([(9 / 0.5) / (9 / 1.5)])

@@ -20,6 +20,7 @@ class ArmRun:
     tau: float  # tokens per target forward (1 without speculation)
     drafted_per_step: float  # draft tokens verified per step
     identical: bool  # output equal to the baseline arm's on the same prompt and repeat
+    ttft: float = 0.0  # the engine's time to the first token (prefill), within `seconds`
 
     @property
     def tok_s(self) -> float:
@@ -46,19 +47,22 @@ def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: 
             for name in names:
                 ids, st, dt = outs[name]
                 rows[name].append(ArmRun(rep, i, len(ids), dt, st.get("mean_acceptance_length", 1.0),
-                                         st.get("num_draft_tokens", 0) / max(1, st.get("steps", 1)), ids == want))
+                                         st.get("num_draft_tokens", 0) / max(1, st.get("steps", 1)), ids == want,
+                                         st.get("ttft_s", 0.0)))
     return rows
 
 
-def pooled_ratios(runs: Sequence[ArmRun], base: Sequence[ArmRun], repeats: int) -> list[float]:
-    """Per repeat: all tokens / all seconds of the arm over the prompts, divided by the baseline's."""
-    out = []
-    for rep in range(repeats):
-        mine = [x for x in runs if x.repeat == rep]
-        theirs = [x for x in base if x.repeat == rep]
-        out.append(sum(x.tokens for x in mine) / sum(x.seconds for x in mine)
-                   / (sum(x.tokens for x in theirs) / sum(x.seconds for x in theirs)))
-    return out
+def pooled_ratios(runs: Sequence[ArmRun], base: Sequence[ArmRun], repeats: int, decode: bool = False) -> list[float]:
+    """Per repeat: all tokens / all seconds of the arm over the prompts, divided by the baseline's. With `decode`,
+    the tokens after the first over the seconds after the first token (TPOT's rate: prefill, which speculation does
+    not change, left out)."""
+    def rate(xs: Sequence[ArmRun]) -> float:
+        if decode:
+            return sum(x.tokens - 1 for x in xs) / sum(x.seconds - x.ttft for x in xs)
+        return sum(x.tokens for x in xs) / sum(x.seconds for x in xs)
+
+    return [rate([x for x in runs if x.repeat == rep]) / rate([x for x in base if x.repeat == rep])
+            for rep in range(repeats)]
 
 
 def per_prompt_ratios(runs: Sequence[ArmRun], base: Sequence[ArmRun]) -> list[float]:
@@ -91,17 +95,18 @@ def compare_arms(description: str, arms: Callable[[Any, int], dict[str, Any]], a
             _ = e.costs  # the start-up profile, outside the timed runs
     print(base.path_choice.describe())
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    print("\n| workload | arm | tok/s | pooled, per repeat | per prompt (min..max) | tau | drafted per step "
-          "| identical |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| workload | arm | tok/s | pooled, per repeat | decode only, pooled | per prompt (min..max) | tau "
+          "| drafted per step | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
     load = MachineLoad().start()
     for wl in args.workloads.split(","):
         rows = run_interleaved(engines, load_workload(wl, limit=args.limit), sp, args.repeats)
         for name, rs in rows.items():
             pooled = " / ".join(f"x{x:.2f}" for x in pooled_ratios(rs, rows["plain"], args.repeats))
+            decode = " / ".join(f"x{x:.2f}" for x in pooled_ratios(rs, rows["plain"], args.repeats, decode=True))
             ratio = per_prompt_ratios(rs, rows["plain"])
             same = sum(x.identical for x in rs)
-            print(f"| {wl} | {name} | {statistics.median(x.tok_s for x in rs):.1f} | {pooled} | "
+            print(f"| {wl} | {name} | {statistics.median(x.tok_s for x in rs):.1f} | {pooled} | {decode} | "
                   f"x{statistics.median(ratio):.2f} ({min(ratio):.2f}..{max(ratio):.2f}) | "
                   f"{statistics.fmean(x.tau for x in rs):.2f} | "
                   f"{statistics.fmean(x.drafted_per_step for x in rs):.2f} | {same}/{len(rs)} |", flush=True)
