@@ -72,21 +72,31 @@ def test_batched_output_equals_hf_single_stream(tiny, references, arch, method, 
 
 
 def test_dspark_never_drafts_for_a_drafter_without_confidences_where_drafts_do_not_pay(tiny, references, monkeypatch):
-    """A saturated batch (every draft token costs a whole step): dspark drafts nothing for n-gram requests, not even
-    the whole first block it would draft for a drafter that might give confidences, and the output is HF's."""
+    """A saturated batch (every draft token costs a whole step): dspark drafts nothing for a drafter without
+    confidences (n-gram drafts stripped of theirs), and the output is HF's. With its confidences the same drafter
+    drafts (microseconds against a step) and dspark verifies none of it."""
+    from verispec.drafters.base import Draft
     from verispec.drafters.ngram import NgramDrafter
     from verispec.engine.costs import CostTable, StepCosts
 
-    asked = []
     propose = NgramDrafter.propose
-    monkeypatch.setattr(NgramDrafter, "propose", lambda self, ctx, k: asked.append(k) or propose(self, ctx, k))
-    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="dspark")
-    llm._costs = StepCosts(CostTable((1, 64), (1.0, 64.0)))  # linear: one more row costs one more step
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
-    assert [o.token_ids for o in outs] == references["llama"]
-    assert asked == [], f"n-gram drafts were asked for where none could be verified: {asked}"
-    assert all(o.stats["num_draft_tokens"] == 0 for o in outs)
+    for confident in (False, True):
+        asked = []
+        if confident:
+            monkeypatch.setattr(NgramDrafter, "propose", lambda self, ctx, k: asked.append(k) or propose(self, ctx, k))
+        else:
+            monkeypatch.setattr(NgramDrafter, "gives_confidence", False)
+            monkeypatch.setattr(NgramDrafter, "propose",
+                                lambda self, ctx, k: asked.append(k) or Draft(propose(self, ctx, k).tokens))
+        llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="dspark")
+        # linear: one more row costs one more step (as profiled and kept, not corrected by the tiny model's forwards)
+        llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1.0, 64.0)))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+        assert [o.token_ids for o in outs] == references["llama"]
+        assert bool(asked) == confident, f"n-gram drafts asked for (confidences: {confident}): {asked}"
+        assert all(o.stats["num_draft_tokens"] == 0 for o in outs)
+        monkeypatch.undo()
 
 
 def test_drafts_the_policy_never_verifies_still_teach_the_estimate(tiny, references, monkeypatch):

@@ -110,7 +110,11 @@ def test_dspark_drafts_no_more_than_the_estimate_would_verify():
     # a due probe is drafted where it would pay, and a drafter with confidences still drafts its whole block
     probing = [Candidate(4, good, confidences=False), Candidate(4, bad, probe=True, confidences=False)]
     assert policy.draft_lengths(probing, 2) == [4, 2]
-    assert DSparkPolicy(linear).draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [0, 0]
+    timed = AcceptanceEstimator(prior=0.0)
+    timed.observe_draft(4, 0.4)  # 0.1 s per token: a block costs 40% of a 1 s step, far from free
+    assert DSparkPolicy(linear).draft_lengths([Candidate(4, timed), Candidate(4, bad, confidences=False)], 2) == [0, 0]
+    # one with confidences whose drafting was never timed drafts its block, so that it is timed
+    assert DSparkPolicy(linear).draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [4, 0]
 
 
 def test_dspark_drafts_a_confident_drafters_block_only_where_the_estimate_admits_it():
@@ -123,6 +127,8 @@ def test_dspark_drafts_a_confident_drafters_block_only_where_the_estimate_admits
         good.update(drafted=4, accepted=4)
         slow.update(drafted=4, accepted=4)
         bad.update(drafted=4, accepted=0)
+    for e in (good, bad):
+        e.observe_draft(4, 0.04)  # timed: 0.01 s per token, a block 4% of a step (two blocks: more than 5%)
     policy = DSparkPolicy(costs)
     assert policy.draft_lengths([Candidate(4, good), Candidate(4, bad)], 2) == [4, 0]
     assert policy.draft_lengths([Candidate(4, bad, probe=True)], 1) == [4]
@@ -177,10 +183,17 @@ def test_dspark_drafts_a_confident_block_that_costs_next_to_nothing_whatever_the
     costs = StepCosts(CostTable((1, 2, 9), (1.0, 1.3, 2.0)))  # a draft token costs 0.3 of a step: p = 0.1 never pays
     bad = AcceptanceEstimator(prior=0.1)
     policy = DSparkPolicy(costs)
-    assert policy.draft_lengths([Candidate(8, bad)], 1) == [0]  # nothing measured yet: the estimate decides
+    assert policy.draft_lengths([Candidate(8, bad)], 1) == [8]  # never timed: it drafts, and is timed
     cheap, dear = AcceptanceEstimator(prior=0.1), AcceptanceEstimator(prior=0.1)
     cheap.draft_cost_per_token = 0.9 * FREE_DRAFT_SHARE / 8  # seconds, against a 1-second step
     dear.draft_cost_per_token = 1.1 * FREE_DRAFT_SHARE / 8
     assert policy.draft_lengths([Candidate(8, cheap)], 1) == [8]
     assert policy.draft_lengths([Candidate(8, dear)], 1) == [0]
     assert policy.draft_lengths([Candidate(8, cheap, confidences=False)], 1) == [0]
+    # the share is the batch's: two such blocks together cost 1.8 times it (and a step over 2 rows costs 1.3)
+    assert policy.draft_lengths([Candidate(8, cheap), Candidate(8, cheap)], 2) == [0, 0]
+    tiny = AcceptanceEstimator(prior=0.1)
+    tiny.draft_cost_per_token = 0.1 * FREE_DRAFT_SHARE / 8
+    assert policy.draft_lengths([Candidate(8, cheap), Candidate(8, tiny)], 2) == [8, 8]  # 0.05 s of a 1.3 s step
+    # beside a drafter without confidences the admission still runs for it, and the free blocks are still drafted
+    assert policy.draft_lengths([Candidate(8, tiny), Candidate(8, bad, confidences=False)], 2) == [8, 0]

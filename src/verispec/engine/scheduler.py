@@ -184,21 +184,23 @@ class DSparkPolicy(_CostAware):
         time counted: where that admission takes nothing, nothing is drafted, since drafting it would be wasted
         work (at a saturated batch every token; with a learned drafter, one drafter run per step that costs about a
         target step). Where it takes some, a drafter with confidences drafts its whole block (its confidences then
-        decide), one without drafts what the admission took. A drafter with confidences whose whole block costs
-        next to nothing (prompt lookup: microseconds against a step of milliseconds) drafts it every step: the
-        estimate cannot veto a draft its confidences may find worth verifying, and drafting it wastes nothing."""
-        survivals = _with_probes(cands, [c.estimator.position_survival(c.limit) for c in cands])
+        decide), one without drafts what the admission took. Drafters with confidences whose whole blocks together
+        cost next to nothing (prompt lookup: microseconds against a step of milliseconds) draft them every step:
+        the estimate cannot veto a draft its confidences may find worth verifying, and drafting it wastes nothing.
+        The share is the batch's, not each request's: sixteen requests each drafting 5% of a step would be 80%.
+        A drafter with confidences whose drafting time was never measured drafts its block until it is (its first
+        proposal with tokens): otherwise, where the estimate alone says no (a busy batch), it would never draft,
+        never be timed, and never be found free."""
         extra = [c.estimator.draft_cost_per_token for c in cands]
+        blocks = [c.limit * cost for c, cost in zip(cands, extra) if c.confidences and c.limit]  # seconds each
+        free = sum(blocks) <= FREE_DRAFT_SHARE * self.costs(base_tokens, base_tokens)
+        drafts = [c.confidences and (free or not cost) for c, cost in zip(cands, extra)]  # whole blocks
+        if all(d or not c.limit for d, c in zip(drafts, cands)):  # the admission could change nothing
+            return [c.limit for c in cands]
+        survivals = _with_probes(cands, [c.estimator.position_survival(c.limit) for c in cands])
         admitted = admit_prefixes(survivals, self.costs, base_tokens, extra, stop_at_first_drop=self.first_drop,
                                   margin=self.margin)
-        free = FREE_DRAFT_SHARE * self.costs(base_tokens, base_tokens)
-        out = []
-        for c, n, cost in zip(cands, admitted, extra):
-            if not c.confidences:
-                out.append(n)
-            else:
-                out.append(c.limit if n or 0 < c.limit * cost <= free else 0)
-        return out
+        return [c.limit if d or (n and c.confidences) else n for c, d, n in zip(cands, drafts, admitted)]
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         survivals = []
