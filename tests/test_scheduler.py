@@ -114,7 +114,13 @@ def test_dspark_drafts_no_more_than_the_estimate_would_verify():
     timed.observe_draft(4, 0.4)  # 0.1 s per token: a block costs 40% of a 1 s step, far from free
     assert DSparkPolicy(linear).draft_lengths([Candidate(4, timed), Candidate(4, bad, confidences=False)], 2) == [0, 0]
     # one with confidences whose drafting was never timed drafts its block, so that it is timed
-    assert DSparkPolicy(linear).draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [4, 0]
+    assert policy.draft_lengths([Candidate(4, bad), Candidate(4, bad, confidences=False)], 2) == [4, 0]
+    # but not where no draft could pay even if sure to survive (each row costs what a row does): nothing is drafted,
+    # probes included, and nothing verified
+    saturated = [Candidate(4, bad), Candidate(4, bad, probe=True, confidences=False), Candidate(4, good)]
+    assert DSparkPolicy(linear).draft_lengths(saturated, 3) == [0, 0, 0]
+    assert DSparkPolicy(linear).verify_lengths(saturated, [Draft([1, 2], confidence=[1.0, 1.0])] * 3, 3) == [0] * 3
+    assert GoodputPolicy(linear).draft_lengths(saturated, 3) == [0, 0, 0]
 
 
 def test_dspark_drafts_a_confident_drafters_block_only_where_the_estimate_admits_it():

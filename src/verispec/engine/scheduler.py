@@ -138,6 +138,19 @@ class _CostAware:
     def step_seconds(self, tokens: int, segments: int) -> float:
         return self.costs(tokens, segments)
 
+    def nothing_pays(self, cands: Sequence[Candidate], base_tokens: int) -> bool:
+        """True where no block of up to the largest limit would pay even if it were sure to survive: each of its
+        tokens adds one committed token for its cost to the step (weighed with the margin). At a saturated batch
+        (16 rows on a 2-core CPU: one more row costs about what a row does) this skips drafting and the admissions
+        over every (request, position) pair, whose cost was all speculation did there. Tokens of several requests
+        together are not tried: that they could pay where one request's block cannot needs a cost curve that
+        falls per token as blocks grow past a request's limit."""
+        k = max((c.limit for c in cands), default=0)
+        B = max(base_tokens, len(cands))
+        base = self.costs(B, B)
+        return all((B + j) * base <= B * (base + (1 + self.margin) * (self.costs(B + j, B) - base))
+                   for j in range(1, k + 1))
+
 
 class StaticPolicy(_CostAware):
     name = "static"
@@ -163,6 +176,8 @@ class GoodputPolicy(_CostAware):
     name = "goodput"
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
+        if self.nothing_pays(cands, base_tokens):
+            return [0] * len(cands)
         survivals = _with_probes(cands, [c.estimator.iid_survival(c.limit) for c in cands])
         extra = [c.estimator.draft_cost_per_token for c in cands]
         return admit_prefixes(survivals, self.costs, base_tokens, extra, margin=self.margin)
@@ -188,9 +203,12 @@ class DSparkPolicy(_CostAware):
         cost next to nothing (prompt lookup: microseconds against a step of milliseconds) draft them every step:
         the estimate cannot veto a draft its confidences may find worth verifying, and drafting it wastes nothing.
         The share is the batch's, not each request's: sixteen requests each drafting 5% of a step would be 80%.
+        Where no draft could pay even if sure to survive (`nothing_pays`), nothing is drafted.
         A drafter with confidences whose drafting time was never measured drafts its block until it is (its first
         proposal with tokens): otherwise, where the estimate alone says no (a busy batch), it would never draft,
         never be timed, and never be found free."""
+        if self.nothing_pays(cands, base_tokens):
+            return [0] * len(cands)
         extra = [c.estimator.draft_cost_per_token for c in cands]
         blocks = [c.limit * cost for c, cost in zip(cands, extra) if c.confidences and c.limit]  # seconds each
         free = sum(blocks) <= FREE_DRAFT_SHARE * self.costs(base_tokens, base_tokens)
@@ -203,6 +221,8 @@ class DSparkPolicy(_CostAware):
         return [c.limit if d or (n and c.confidences) else n for c, d, n in zip(cands, drafts, admitted)]
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
+        if self.nothing_pays(cands, base_tokens):
+            return [0] * len(cands)
         survivals = []
         for c, d in zip(cands, drafts):
             g = len(d.tokens)
