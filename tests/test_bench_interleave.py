@@ -10,9 +10,18 @@ import pytest
 from verispec.bench.interleave import ArmRun, per_prompt_ratios, pooled_ratios, run_interleaved
 
 
+class _Drafters:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def reset_shared(self) -> None:
+        self.log.append((self.name, "reset"))
+
+
 class _Arm:
     def __init__(self, name: str, log: list, tokens: dict[int, list[int]]) -> None:
         self.name, self.log, self.tokens = name, log, tokens
+        self.drafters = _Drafters(name, log)
 
     def chat(self, conversations, params, use_tqdm=False):
         prompt = conversations[0][0]["content"]
@@ -27,6 +36,10 @@ def test_every_prompt_and_repeat_runs_every_arm_in_rotating_order_and_identity_i
     same, other = {i: [i, 1, 2] for i in range(3)}, {0: [0, 1, 2], 1: [9], 2: [2, 1, 2]}
     engines = {"plain": _Arm("plain", log, same), "a": _Arm("a", log, same), "b": _Arm("b", log, other)}
     rows = run_interleaved(engines, prompts, None, repeats=2)
+    # every arm's shared drafter state is reset before each repeat's first prompt, and only then
+    resets = [j for j, (_, what) in enumerate(log) if what == "reset"]
+    assert resets == [0, 1, 2, 12, 13, 14], log
+    log = [x for x in log if x[1] != "reset"]
     firsts = [log[3 * j][0] for j in range(6)]  # the first arm of each (repeat, prompt)
     assert firsts == ["plain", "a", "b", "plain", "a", "b"]
     assert sorted(log) == sorted((n, i) for n in engines for i in range(3) for _ in range(2))

@@ -30,12 +30,18 @@ class ArmRun:
 def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: Any, repeats: int,
                     baseline: str = "plain") -> dict[str, list[ArmRun]]:
     """Each engine (an `LLM`) chats each prompt (a workload prompt with `.messages`) once per repeat; the arms'
-    order rotates by one per prompt and repeat. Returns per arm its runs in (repeat, prompt) order."""
+    order rotates by one per prompt and repeat. Returns per arm its runs in (repeat, prompt) order. What drafters
+    learn across requests (the suffix cache of earlier outputs, n-gram survival counts) is forgotten at the start of
+    every repeat: a repeat would otherwise find its own greedy outputs from the one before."""
     names = list(engines)
     if baseline not in engines:
         raise ValueError(f"the baseline arm {baseline!r} is not among {names}")
     rows: dict[str, list[ArmRun]] = {n: [] for n in names}
     for rep in range(repeats):
+        for e in engines.values():
+            drafters = getattr(e, "drafters", None)
+            if drafters is not None:
+                drafters.reset_shared()
         for i, p in enumerate(prompts):
             r = (rep * len(prompts) + i) % len(names)
             outs = {}
