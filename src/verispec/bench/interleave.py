@@ -39,9 +39,7 @@ def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: 
     rows: dict[str, list[ArmRun]] = {n: [] for n in names}
     for rep in range(repeats):
         for e in engines.values():
-            drafters = getattr(e, "drafters", None)
-            if drafters is not None:
-                drafters.reset_shared()
+            e.drafters.reset_shared()
         for i, p in enumerate(prompts):
             r = (rep * len(prompts) + i) % len(names)
             outs = {}

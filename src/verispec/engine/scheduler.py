@@ -142,7 +142,8 @@ class _CostAware:
         """True where no block of up to the largest limit would pay even if it were sure to survive: each of its
         tokens adds one committed token for its cost to the step (weighed with the margin). At a saturated batch
         (16 rows on a 2-core CPU: one more row costs about what a row does) this skips drafting and the admissions
-        over every (request, position) pair, whose cost was all speculation did there. Tokens of several requests
+        over every (request, position) pair, whose cost was all speculation did there (nothing drafted leaves the
+        verify-time admission no pairs, and one given sure drafts admits none of them). Tokens of several requests
         together are not tried: that they could pay where one request's block cannot needs a cost curve that
         falls per token as blocks grow past a request's limit."""
         k = max((c.limit for c in cands), default=0)
@@ -221,8 +222,6 @@ class DSparkPolicy(_CostAware):
         return [c.limit if d or (n and c.confidences) else n for c, d, n in zip(cands, drafts, admitted)]
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
-        if self.nothing_pays(cands, base_tokens):
-            return [0] * len(cands)
         survivals = []
         for c, d in zip(cands, drafts):
             g = len(d.tokens)
