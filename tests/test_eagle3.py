@@ -236,10 +236,12 @@ def _path(tree, i: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def test_tree_is_eagle2_selection_over_independently_scored_paths(setup):
+@pytest.mark.parametrize("width", [1, 4])
+def test_tree_is_eagle2_selection_over_independently_scored_paths(setup, width):
     """The drafter's tree (one batched head run per depth, tree-masked scratch K/V) against EAGLE-2's selection
-    simulated here, with every path's log-probability from the training unroll teacher-forced on that path."""
-    from verispec.drafters.tree_growth import TREE_TOPK
+    simulated here, with every path's log-probability from the training unroll teacher-forced on that path. Width 1
+    expands one chain (no mask needed), width 4 several branches per depth (each sees only its own ancestors)."""
+    from verispec.drafters.tree_growth import TREE_TOPK, frontier_width
 
     llm = setup["llm"]
     head = load(setup["root"] / "head", llm.model)
@@ -255,19 +257,21 @@ def test_tree_is_eagle2_selection_over_independently_scored_paths(setup):
         with torch.no_grad():
             return torch.log_softmax(te.ttt_logits(head, f, ids, len(path) + 1)[len(path)][j], -1)
 
-    scores = eagle2_scores(logp, depth, TREE_TOPK, min(budget, TREE_TOPK), head.to_target_ids)
+    scores = eagle2_scores(logp, depth, TREE_TOPK, width, head.to_target_ids)
     want = best_paths(scores, budget)
 
     d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
     d.add_features(feats[: j + 1])
-    grown = d._grow(ctx, budget, depth)  # every candidate, with the score the drafter gave it
+    grown = d._grow(ctx, budget, depth, width)  # every candidate, with the score the drafter gave it
     paths = [_path(grown, i) for i in range(len(grown.token))]
     assert set(paths) == set(scores)
     for path, score in zip(paths, grown.score):
         assert abs(score - scores[path]) < 1e-4, path
-    d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
-    d.add_features(feats[: j + 1])
-    tree = d.propose_tree(ctx, budget, depth)
+    tree = grown.best(budget)
+    if width == frontier_width(budget):  # what propose_tree grows
+        d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
+        d.add_features(feats[: j + 1])
+        tree = d.propose_tree(ctx, budget, depth)
     got = {_path(tree, i) for i in range(len(tree.tokens))}
     assert got == want and len(tree.tokens) == budget
     assert max(len(p) for p in got) > 1 and len({p[0] for p in got}) > 1  # a real tree: deep and branching

@@ -147,13 +147,15 @@ def test_trees_deeper_than_a_sliding_window_are_refused_up_front(tiny):
         speculative_config={"method": "ngram", "num_speculative_tokens": 5, "draft_tree": True})
 
 
-def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_path):
+@pytest.mark.parametrize("width", [1, 4])
+def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_path, width):
     """The draft model's tree (one tree-masked draft forward per depth) against EAGLE-2's selection simulated here,
-    every path's log-probability from HF's draft model run on context + path from scratch."""
+    every path's log-probability from HF's draft model run on context + path from scratch; `width` nodes expanded
+    per depth (1: one chain, 4: several branches, each seeing only its own ancestors)."""
     from transformers import AutoModelForCausalLM
 
     from verispec.drafters.draft_model import DraftModelDrafter
-    from verispec.drafters.tree_growth import TREE_TOPK
+    from verispec.drafters.tree_growth import TREE_TOPK, frontier_width
     from verispec.models.loader import load_model, resolve
 
     hf = AutoModelForCausalLM.from_pretrained(tiny["draft"][0], dtype=torch.float32).eval()
@@ -167,13 +169,13 @@ def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_pat
         with torch.no_grad():
             return torch.log_softmax(hf(torch.tensor([ctx + list(path)])).logits[0, -1].float(), -1)
 
-    scores = eagle2_scores(logp, depth, TREE_TOPK, min(budget, TREE_TOPK))
+    scores = eagle2_scores(logp, depth, TREE_TOPK, width)
     want = best_paths(scores, budget)
 
     d = DraftModelDrafter(model, model.new_cache(32), SamplingParams(temperature=0))
     d.propose(ctx[:5], 2)  # a chain first, all rejected: the tree starts from a cache holding ctx[:5]
     d.observe(0)
-    grown = d._grow(ctx, budget, depth)  # every candidate, with the score the drafter gave it
+    grown = d._grow(ctx, budget, depth, width)  # every candidate, with the score the drafter gave it
     got = {}
     for i in range(len(grown.token)):
         got[tuple(grown.token[j] for j in reversed(grown.path(i)))] = grown.score[i]
@@ -181,7 +183,8 @@ def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_pat
     for q, score in got.items():
         assert abs(score - scores[q]) < 1e-4, q
     d.check_own_state(ctx)
-    tree = d.propose_tree(ctx, budget, depth)
+    # what propose_tree grows, or the same selection over this width's candidates
+    tree = d.propose_tree(ctx, budget, depth) if width == frontier_width(budget) else grown.best(budget)
 
     def path_of(i: int) -> tuple[int, ...]:
         out = []

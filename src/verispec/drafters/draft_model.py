@@ -13,7 +13,7 @@ import torch
 
 from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft
-from verispec.drafters.tree_growth import TREE_TOPK, Growth
+from verispec.drafters.tree_growth import Growth, frontier_width
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel, Segment
 from verispec.models.tree import TreeDraft
@@ -93,10 +93,11 @@ class DraftModelDrafter:
         target verifies them as point masses at any temperature. The draft cache keeps context[:-1] only."""
         return self._grow(context, budget, depth).best(budget)
 
-    def _grow(self, context: Sequence[int], budget: int, depth: int) -> Growth:
+    def _grow(self, context: Sequence[int], budget: int, depth: int, width: int | None = None) -> Growth:
+        """width: nodes expanded per depth (None: frontier_width(budget))."""
         assert self.n_cached < len(context), "the draft cache is ahead of the request"
         depth = min(depth, budget, self.cache.max_len - len(context) - 1)
-        tree = Growth(0, min(budget, TREE_TOPK))
+        tree = Growth(0, frontier_width(budget) if width is None else width)
         if depth <= 0:
             return tree
         feed = list(context[self.n_cached :])  # the committed tokens the draft cache lacks, the root last
@@ -105,7 +106,7 @@ class DraftModelDrafter:
         self.cache.commit(self.slot, len(feed) - 1)  # the root's K/V is rewritten by every tree forward
         self.n_cached = len(context) - 1
         self._ctx_len, self._fed_drafts = self.n_cached, 0  # observe() keeps exactly the committed context[:-1]
-        tree.add_children(-1, torch.log_softmax(out.logits[0].float(), -1), 0.0)
+        tree.expand([-1], torch.log_softmax(out.logits[:1].float(), -1))
         for _ in range(depth - 1):
             frontier = tree.frontier()
             if not frontier:
@@ -119,9 +120,7 @@ class DraftModelDrafter:
             out = self.model(toks, [Segment(self.slot, self.n_cached, len(run) + 1, tree=parents)], self.cache,
                              logits_indices=[node[i] + 1 for i in frontier])
             self.cache.rollback(self.slot, self.n_cached)
-            logp = torch.log_softmax(out.logits.float(), -1)  # [len(frontier), V]
-            for i, lp in zip(frontier, logp):
-                tree.add_children(i, lp, tree.score[i])
+            tree.expand(frontier, torch.log_softmax(out.logits.float(), -1))  # [len(frontier), V]
         return tree
 
     def observe(self, accepted: int) -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.drafters.base import Draft
-from verispec.drafters.tree_growth import TREE_TOPK, Growth
+from verispec.drafters.tree_growth import Growth, frontier_width
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
@@ -312,30 +312,30 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
         """EAGLE-2's dynamic tree: expand the TREE_TOPK best children of the `width` most probable nodes of each
-        depth (by cumulative draft log-probability), then keep the `budget` most probable nodes of all expanded
-        ones (ancestor-closed: a path's log-probability never grows). Nodes are run in one batch per depth; each
+        depth (by cumulative draft log-probability; frontier_width(budget) of them), then keep the `budget` most
+        probable nodes of all expanded ones (ancestor-closed: a path's log-probability never grows). Nodes are run in one batch per depth; each
         attends to the committed K/V, its ancestors and itself, at position n_feat - 1 + its depth."""
         return self._grow(context, budget, depth).best(budget)
 
-    def _grow(self, context: Sequence[int], budget: int, depth: int) -> Growth:
+    def _grow(self, context: Sequence[int], budget: int, depth: int, width: int | None = None) -> Growth:
+        """width: nodes expanded per depth (None: frontier_width(budget))."""
         assert self.n_feat == len(context) - 1, (
             f"EAGLE-3 holds features for {self.n_feat} positions but the context has {len(context)} tokens")
-        width = min(budget, TREE_TOPK)
+        width = frontier_width(budget) if width is None else width
         room = self.k.shape[0] - len(context)  # scratch K/V rows past the committed ones (one node per row)
         depth = min(depth, budget, room, 1 + room // max(1, width))
         if depth <= 0 or self.n_feat == 0:
             return Growth(self.n_kv, width)
         h = self._catch_up(context)  # [1, d]
         tree = Growth(self.n_kv, width)  # scratch rows start after the rows _catch_up committed
-        tree.add_children(-1, torch.log_softmax(self.head.logits(h)[0].float(), -1), 0.0, self.head.to_target_ids)
+        tree.expand([-1], torch.log_softmax(self.head.logits(h).float(), -1), self.head.to_target_ids)
         for _ in range(depth - 1):
             frontier = tree.frontier()
             h_parent = torch.cat([h if tree.parent[i] < 0 else tree.out[tree.parent[i]] for i in frontier])
             out = self._run_nodes(tree, frontier, h_parent)  # [w, d]
             for i, hi in zip(frontier, out):
                 tree.out[i] = hi[None]
-                tree.add_children(i, torch.log_softmax(self.head.logits(hi[None])[0].float(), -1), tree.score[i],
-                                  self.head.to_target_ids)
+            tree.expand(frontier, torch.log_softmax(self.head.logits(out).float(), -1), self.head.to_target_ids)
         return tree
 
     def _run_nodes(self, tree: Growth, nodes: list[int], h_parent: torch.Tensor) -> torch.Tensor:
@@ -349,11 +349,13 @@ class Eagle3Drafter:
             tree.row[i] = tree.next_row
             tree.next_row += 1
         L = tree.next_row
-        blocked = torch.ones(len(nodes), L, dtype=torch.bool, device=dev)
-        blocked[:, : self.n_kv] = False
-        for j, i in enumerate(nodes):
-            for a in tree.path(i):
-                blocked[j, tree.row[a]] = False
+        seen = [[tree.row[a] for a in tree.path(i)] for i in nodes]  # each node's scratch rows: its path's
+        blocked = None  # a single chain of expanded nodes sees every scratch row: no mask at all
+        if any(len(rows) < L - self.n_kv for rows in seen):
+            blocked = torch.ones(len(nodes), L, dtype=torch.bool, device=dev)
+            blocked[:, : self.n_kv] = False
+            j = torch.tensor([j for j, rows in enumerate(seen) for _ in rows], device=dev)
+            blocked[j, torch.tensor([r for rows in seen for r in rows], device=dev)] = False
         emb = self.head.embed(toks)
         if self.head.kernel is not None:
             return self.head.kernel.run(emb, h_parent, pos, slice(first, L), self.k, self.v, L, blocked)

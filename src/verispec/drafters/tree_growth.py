@@ -10,7 +10,16 @@ import torch
 
 from verispec.models.tree import TreeDraft
 
-TREE_TOPK = 4  # children considered per expanded node, and nodes expanded per depth (EAGLE-2's top-k)
+TREE_TOPK = 4  # children considered per expanded node (EAGLE-2's top-k)
+NODES_PER_WIDTH = 16  # budget nodes per node expanded at each depth
+
+
+def frontier_width(budget: int) -> int:
+    """Nodes expanded per depth for a tree of `budget` nodes: one per NODES_PER_WIDTH, at least one, at most
+    TREE_TOPK. EAGLE-2 expands its top-k at every depth; for the budgets a CPU verifies (4-8 nodes) the shipped
+    EAGLE-3 head's replayed tau was the same with 1, 2 or 4 (benchmarks/tree_acceptance.py, 2026-12-03: within
+    0.05 on every workload), while each extra node is one more row through the head at every depth."""
+    return max(1, min(TREE_TOPK, budget // NODES_PER_WIDTH))
 
 
 class Growth:
@@ -24,19 +33,22 @@ class Growth:
         self.next_row, self.width = first_row, width
         self._newest: list[int] = []
 
-    def add_children(self, parent: int, logp: torch.Tensor, base: float,
-                     to_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """The TREE_TOPK most probable tokens after `parent` (-1: the root). logp: [V'] log-probabilities; `to_ids`
-        maps its indices to token ids (a reduced draft vocabulary), else the index is the token."""
-        vals, idx = logp.topk(min(TREE_TOPK, logp.shape[0]))
+    def expand(self, parents: list[int], logp: torch.Tensor,
+               to_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """The TREE_TOPK most probable tokens after each of `parents` (-1: the root), one top-k over all their rows.
+        logp: [len(parents), V'] log-probabilities; `to_ids` maps its indices to token ids (a reduced draft
+        vocabulary), else the index is the token."""
+        vals, idx = logp.topk(min(TREE_TOPK, logp.shape[-1]), dim=-1)  # [w, k]
         toks = (idx if to_ids is None else to_ids(idx)).tolist()
-        d = 1 if parent < 0 else self.depth[parent] + 1
-        for val, tok in zip(vals.tolist(), toks):
-            self.token.append(int(tok))
-            self.parent.append(parent)
-            self.depth.append(d)
-            self.score.append(base + val)
-            self._newest.append(len(self.token) - 1)
+        for parent, row_vals, row_toks in zip(parents, vals.tolist(), toks):
+            base = 0.0 if parent < 0 else self.score[parent]
+            d = 1 if parent < 0 else self.depth[parent] + 1
+            for val, tok in zip(row_vals, row_toks):
+                self.token.append(int(tok))
+                self.parent.append(parent)
+                self.depth.append(d)
+                self.score.append(base + val)
+                self._newest.append(len(self.token) - 1)
 
     def frontier(self) -> list[int]:
         """The `width` most probable of the newest children: the nodes expanded next."""
