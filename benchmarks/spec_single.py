@@ -6,6 +6,8 @@ dtype, same prompts, in the same run. Methods run interleaved (the order rotates
 ratio is method tok/s / plain tok/s on the same prompt and repeat; the table gives the median and the min..max.
 
     python benchmarks/spec_single.py --dtypes bfloat16,float32 --limit 4 --max-tokens 128 --repeats 2
+    python benchmarks/spec_single.py --dtypes auto --methods eagle3,eagle3+tree --k 4 --fixed-k \
+        --versus eagle3+tree/eagle3 --workloads json_records,code --limit 4 --max-tokens 96 --repeats 3
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def run(args) -> dict:
                 spec = method_spec(method, args.k)
             else:
                 spec = {"method": "draft_model", "model": method, "num_speculative_tokens": 4}
+            if args.fixed_k:
+                spec["adaptive"] = False
             if shape:
                 if shape not in SHAPES:
                     raise SystemExit(f"{name}: the shape after + is one of {', '.join(SHAPES)}")
@@ -85,6 +89,8 @@ def run(args) -> dict:
             results[(dtype, wl)] = rows
             print(file=sys.stderr)
             report_block(dtype, wl, rows)
+            for pair in filter(None, (args.versus or "").split(",")):
+                report_pair(dtype, wl, rows, *pair.split("/"))
     return results
 
 
@@ -104,6 +110,15 @@ def report_block(dtype: str, wl: str, rows: dict) -> None:
                 print(f"    {name}: {x['divergence']}", flush=True)
 
 
+def report_pair(dtype: str, wl: str, rows: dict, a: str, b: str) -> None:
+    """Method a against method b on the same prompts and repeats (each run paired with b's run beside it)."""
+    if a not in rows or b not in rows:
+        raise SystemExit(f"--versus {a}/{b}: both must be among --methods")
+    ratios = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(rows[a], rows[b])]
+    print(f"    {dtype} {wl}: {a} / {b} = x{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}), "
+          f"{len(ratios)} paired runs", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -113,6 +128,10 @@ def main() -> None:
                          "eagle3:DIR / dflash:DIR / dspark:DIR; +tree or +auto after a name: draft trees, or trees "
                          "vs chains chosen per step (draft_tree auto)")
     ap.add_argument("--k", type=int, default=7, help="most draft tokens per step for learned drafters")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="verify k drafted tokens every step (adaptive: false) instead of the scheduler's choice")
+    ap.add_argument("--versus", help="A/B[,C/D]: also report method A's tok/s over method B's on the same prompt "
+                                     "and repeat, e.g. eagle3+tree/eagle3")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -120,7 +139,7 @@ def main() -> None:
     ap.add_argument("--json", help="write raw per-run records here")
     args = ap.parse_args()
     print("| dtype | workload | method | tok/s (median) | speedup vs plain, median (min..max) | tau | "
-          "draft / verify / sched / state % | identical to plain |")
+          "draft / forward / verify / sched / state % | identical to plain |")
     print("|---|---|---|---|---|---|---|---|")
     results = run(args)
     if args.json:
