@@ -18,6 +18,8 @@ Conditions (MEASURE.md):
 
     python benchmarks/tree_acceptance.py --limit 8 --max-tokens 128 --k 2,4,8 --drafters ngram,suffix
     python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3
+    python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3 \
+        --widths 4       # EAGLE-2's growth (4 nodes expanded per depth) beside the default one, same run
     python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,7 --drafters dflash,dspark
 """
 
@@ -43,8 +45,8 @@ from verispec.execution.verify import verify_greedy
 from verispec.models.tree import TreeDraft, depths
 
 
-def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats: torch.Tensor | None = None
-           ) -> tuple[int, int, int]:
+def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats: torch.Tensor | None = None,
+           width: int | None = None) -> tuple[int, int, int]:
     """(tokens committed, steps, positions verified) of n-gram drafting over the recorded continuation `out`,
     through the engine's own greedy verification rules, with logits whose argmax at every query row is the
     target's recorded next token for that row's depth (the only rows the rules read lie on the followed path)."""
@@ -55,7 +57,10 @@ def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats
         if feats is not None:  # a learned drafter: the target's features of every committed position but the last
             fed = drafter.n if isinstance(drafter, DFlashDrafter) else drafter.n_feat
             drafter.add_features(feats[fed : len(context) - 1])
-        d = drafter.propose_tree(context, k, k) if tree else TreeDraft.chain(drafter.propose(context, k).tokens)
+        if not tree:
+            d = TreeDraft.chain(drafter.propose(context, k).tokens)
+        else:  # width: nodes expanded per depth, for the drafters that grow EAGLE-2's tree (eagle3)
+            d = drafter.propose_tree(context, k, k) if width is None else drafter.propose_tree(context, k, k, width)
         rows = [t + r for r in depths(d.parents)]  # [N + 1] position in `out` each query row predicts
         logits = torch.zeros(len(rows), max(end[: t + k + 1] + list(d.tokens)) + 1)
         logits[torch.arange(len(rows)), torch.tensor([end[r] for r in rows])] = 1.0
@@ -90,15 +95,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", default="2,4,8", help="draft positions per step (chain length = tree node budget)")
     ap.add_argument("--drafters", default="ngram,suffix", help="ngram, suffix, eagle3, dflash and / or dspark")
+    ap.add_argument("--widths", default="", help="eagle3 only: also replay trees expanding this many nodes per "
+                                                 "depth (comma-separated), beside the default growth")
     for m in LEARNED:
         ap.add_argument(f"--{m}", default=f"smollm2-135m-instruct-{m}", help=f"the {m} drafter (shipped name or dir)")
     args = ap.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
     ks = [int(k) for k in args.k.split(",")]
+    widths = [int(w) for w in args.widths.split(",") if w]
+    if widths and args.drafters != "eagle3":
+        raise SystemExit("--widths applies to --drafters eagle3 alone")
     print(f"\n## Trees vs chains: {args.model}, greedy, {args.limit} prompts per workload, "
           f"{args.max_tokens} max tokens\n")
-    print("| drafter | workload | k | chain tau | tree tau | tree / chain | verified per step (chain / tree) |")
-    print("|---|---|---|---|---|---|---|")
+    extra = "".join(f" tree tau, {w} per depth | x chain |" for w in widths)
+    print("| drafter | workload | k | chain tau | tree tau | tree / chain | verified per step (chain / tree) |" + extra)
+    print("|---|---|---|---|---|---|---|" + "---|---|" * len(widths))
     runs = {}
     for w in WORKLOADS:
         prompts = [llm.tokenizer(llm.apply_chat_template(list(p.messages)), add_special_tokens=False)["input_ids"]
@@ -126,8 +137,14 @@ def main(argv=None) -> int:
                        for shared in [{False: SuffixCache(), True: SuffixCache()}] for tree in (False, True)}
                 tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}
                 ver = {tree: statistics.fmean(r[2] / r[1] for r in rs) for tree, rs in res.items()}
+                more = ""
+                for width in widths:
+                    rs = [replay(new_drafter(name, SuffixCache(), heads.get(name)), ids, out, k, True,
+                                 feats.get((name, w, len(ids), tuple(out))), width) for ids, out in items]
+                    t = sum(r[0] for r in rs) / sum(r[1] for r in rs)
+                    more += f" {t:.2f} | x{t / tau[False]:.2f} |"
                 print(f"| {name} | {w} | {k} | {tau[False]:.2f} | {tau[True]:.2f} | x{tau[True] / tau[False]:.2f} | "
-                      f"{ver[False]:.1f} / {ver[True]:.1f} |", flush=True)
+                      f"{ver[False]:.1f} / {ver[True]:.1f} |" + more, flush=True)
     return 0
 
 

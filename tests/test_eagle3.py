@@ -267,11 +267,9 @@ def test_tree_is_eagle2_selection_over_independently_scored_paths(setup, width):
     assert set(paths) == set(scores)
     for path, score in zip(paths, grown.score):
         assert abs(score - scores[path]) < 1e-4, path
-    tree = grown.best(budget)
-    if width == frontier_width(budget):  # what propose_tree grows
-        d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
-        d.add_features(feats[: j + 1])
-        tree = d.propose_tree(ctx, budget, depth)
+    d = Eagle3Drafter(head, SamplingParams(temperature=0), max_len=64)
+    d.add_features(feats[: j + 1])
+    tree = d.propose_tree(ctx, budget, depth, None if width == frontier_width(budget) else width)
     got = {_path(tree, i) for i in range(len(tree.tokens))}
     assert got == want and len(tree.tokens) == budget
     assert max(len(p) for p in got) > 1 and len({p[0] for p in got}) > 1  # a real tree: deep and branching

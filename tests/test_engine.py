@@ -183,8 +183,7 @@ def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_pat
     for q, score in got.items():
         assert abs(score - scores[q]) < 1e-4, q
     d.check_own_state(ctx)
-    # what propose_tree grows, or the same selection over this width's candidates
-    tree = d.propose_tree(ctx, budget, depth) if width == frontier_width(budget) else grown.best(budget)
+    tree = d.propose_tree(ctx, budget, depth, None if width == frontier_width(budget) else width)
 
     def path_of(i: int) -> tuple[int, ...]:
         out = []

@@ -87,11 +87,13 @@ class DraftModelDrafter:
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     @torch.inference_mode()
-    def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
+    def propose_tree(self, context: Sequence[int], budget: int, depth: int, width: int | None = None
+                     ) -> TreeDraft:
         """The `budget` most probable nodes (cumulative draft log-probability) of EAGLE-2's growth: the TREE_TOPK
-        children of the `width` most probable newest nodes, depth by depth. Deterministic (top-k) nodes, so the
-        target verifies them as point masses at any temperature. The draft cache keeps context[:-1] only."""
-        return self._grow(context, budget, depth).best(budget)
+        children of the `width` most probable newest nodes (None: frontier_width(budget)), depth by depth.
+        Deterministic (top-k) nodes, so the target verifies them as point masses at any temperature. The draft cache
+        keeps context[:-1] only."""
+        return self._grow(context, budget, depth, width).best(budget)
 
     def _grow(self, context: Sequence[int], budget: int, depth: int, width: int | None = None) -> Growth:
         """width: nodes expanded per depth (None: frontier_width(budget))."""

@@ -310,12 +310,14 @@ class Eagle3Drafter:
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     @torch.inference_mode()
-    def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
+    def propose_tree(self, context: Sequence[int], budget: int, depth: int, width: int | None = None
+                     ) -> TreeDraft:
         """EAGLE-2's dynamic tree: expand the TREE_TOPK best children of the `width` most probable nodes of each
-        depth (by cumulative draft log-probability; frontier_width(budget) of them), then keep the `budget` most
-        probable nodes of all expanded ones (ancestor-closed: a path's log-probability never grows). Nodes are run in one batch per depth; each
-        attends to the committed K/V, its ancestors and itself, at position n_feat - 1 + its depth."""
-        return self._grow(context, budget, depth).best(budget)
+        depth (by cumulative draft log-probability; `width` None: frontier_width(budget)), then keep the `budget`
+        most probable nodes of all expanded ones (ancestor-closed: a path's log-probability never grows). Nodes are
+        run in one batch per depth; each attends to the committed K/V, its ancestors and itself, at position
+        n_feat - 1 + its depth."""
+        return self._grow(context, budget, depth, width).best(budget)
 
     def _grow(self, context: Sequence[int], budget: int, depth: int, width: int | None = None) -> Growth:
         """width: nodes expanded per depth (None: frontier_width(budget))."""
