@@ -131,20 +131,17 @@ def main(argv=None) -> int:
     for name in args.drafters.split(","):
         for w, items in runs.items():
             for k in ks:
-                res = {tree: [replay(new_drafter(name, shared[tree], heads.get(name)), ids, out, k, tree,
-                                     feats.get((name, w, len(ids), tuple(out))))
-                              for ids, out in items]
-                       for shared in [{False: SuffixCache(), True: SuffixCache()}] for tree in (False, True)}
-                tau = {tree: sum(r[0] for r in rs) / sum(r[1] for r in rs) for tree, rs in res.items()}
-                ver = {tree: statistics.fmean(r[2] / r[1] for r in rs) for tree, rs in res.items()}
-                more = ""
-                for width in widths:
-                    rs = [replay(new_drafter(name, SuffixCache(), heads.get(name)), ids, out, k, True,
-                                 feats.get((name, w, len(ids), tuple(out))), width) for ids, out in items]
-                    t = sum(r[0] for r in rs) / sum(r[1] for r in rs)
-                    more += f" {t:.2f} | x{t / tau[False]:.2f} |"
-                print(f"| {name} | {w} | {k} | {tau[False]:.2f} | {tau[True]:.2f} | x{tau[True] / tau[False]:.2f} | "
-                      f"{ver[False]:.1f} / {ver[True]:.1f} |" + more, flush=True)
+                shapes = [(False, None), (True, None)] + [(True, width) for width in widths]  # (tree, width)
+                res = {shape: [replay(new_drafter(name, cache, heads.get(name)), ids, out, k, shape[0],
+                                      feats.get((name, w, len(ids), tuple(out))), shape[1])
+                               for ids, out in items]
+                       for shape in shapes for cache in [SuffixCache()]}  # each shape its own suffix cache
+                tau = {shape: sum(r[0] for r in rs) / sum(r[1] for r in rs) for shape, rs in res.items()}
+                ver = {shape: statistics.fmean(r[2] / r[1] for r in rs) for shape, rs in res.items()}
+                chain, tree = tau[shapes[0]], tau[shapes[1]]
+                more = "".join(f" {tau[s]:.2f} | x{tau[s] / chain:.2f} |" for s in shapes[2:])
+                print(f"| {name} | {w} | {k} | {chain:.2f} | {tree:.2f} | x{tree / chain:.2f} | "
+                      f"{ver[shapes[0]]:.1f} / {ver[shapes[1]]:.1f} |" + more, flush=True)
     return 0
 
 
