@@ -23,7 +23,8 @@ from torch import nn
 
 from verispec.drafters.base import Draft
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
-from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, load_layer, rms_norm
+from verispec.models.hf_weights import load_layer
+from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, rms_norm
 from verispec.models.mtp_layout import MTPLayout, MTPLayoutError, block_intermediate, detect, problems
 from verispec.state.kv_cache import KVCache
 

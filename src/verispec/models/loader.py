@@ -21,7 +21,8 @@ import torch
 
 from verispec.config import QUANTIZATIONS, ModelConfig
 from verispec.models import hub
-from verispec.models.llama import LlamaModel, load_hf_state_dict
+from verispec.models.hf_weights import load_hf_state_dict
+from verispec.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
