@@ -124,8 +124,12 @@ class MeasuredStepCosts:
         x = min(hi * ref, max(lo * ref, seconds))  # a stall (or a lucky step) counts only so far
         last = self.samples.setdefault(segments, {}).setdefault(tokens, deque(maxlen=self.window))
         last.append(x)
-        pts[tokens] = statistics.median_low(last)
-        self._lines.pop(segments, None)
+        median = statistics.median_low(last)
+        # the line changes only with a point's value or when a count becomes well measured, so it is refitted then,
+        # not after every forward (observe and nine queries: 19 us against 25 us per step, measured alone)
+        if median != old or len(last) == self.min_count:
+            pts[tokens] = median
+            self._lines.pop(segments, None)
 
     def _line(self, segments: int) -> _Line | None:
         """The fitted line of seconds against tokens over the measured token counts and the well-measured points
