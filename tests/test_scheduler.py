@@ -203,3 +203,25 @@ def test_dspark_drafts_a_confident_block_that_costs_next_to_nothing_whatever_the
     assert policy.draft_lengths([Candidate(8, cheap), Candidate(8, tiny)], 2) == [8, 8]  # 0.05 s of a 1.3 s step
     # beside a drafter without confidences the admission still runs for it, and the free blocks are still drafted
     assert policy.draft_lengths([Candidate(8, tiny), Candidate(8, bad, confidences=False)], 2) == [8, 0]
+
+
+def test_dspark_charges_a_confident_drafter_its_whole_block():
+    """A drafter with confidences drafts its whole block once any of it is admitted, so admitting its first position
+    costs the block. Closed form, margin 0.5, a step of 1 s over 1 token and 1.2 s over 8: a 7-token block costing
+    0.9 s at survival 0.3 per position returns at most 1 + 0.43 tokens for 1 + 1.5 x 0.2 + 0.9 = 2.2 s (0.65 tokens
+    per second against 1 plain), so nothing is drafted, though one position's share of it (0.13 s) would have
+    admitted the first (1.3 tokens for 1.17 s); at 0.95 the block pays (6.73 tokens for 2.2 s) and is drafted whole.
+    A drafter without confidences drafts what is admitted, at its per-token cost: the first position at 0.3."""
+    from verispec.engine.scheduler import drafting_costs
+
+    costs = StepCosts(CostTable((1, 8), (1.0, 1.2)))
+    policy = DSparkPolicy(costs)
+    poor, good = AcceptanceEstimator(prior=0.3), AcceptanceEstimator(prior=0.95)
+    for est in (poor, good):
+        est.draft_cost_per_token = 0.9 / 7
+    assert drafting_costs(Candidate(7, poor), whole_blocks=True) == pytest.approx([0.9] + [0.0] * 6)
+    assert drafting_costs(Candidate(7, poor), whole_blocks=False) == pytest.approx([0.9 / 7] * 7)
+    assert policy.draft_lengths([Candidate(7, poor)], 1) == [0]
+    assert policy.draft_lengths([Candidate(7, good)], 1) == [7]
+    assert policy.draft_lengths([Candidate(7, poor, confidences=False)], 1) == [1]
+    assert GoodputPolicy(costs).draft_lengths([Candidate(7, poor)], 1)[0] >= 1  # goodput drafts what it admits
