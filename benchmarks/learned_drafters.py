@@ -32,6 +32,8 @@ class Recorder:
         self.inner, self.pairs, self.last = inner, pairs, None
         self.name = inner.name
         self.feature_layers = getattr(inner, "feature_layers", ())
+        self.gives_confidence = getattr(inner, "gives_confidence", True)
+        self.drafts_in_one_pass = getattr(inner, "drafts_in_one_pass", False)
 
     def propose(self, context, k):
         d = self.inner.propose(context, k)

@@ -225,3 +225,28 @@ def test_dspark_charges_a_confident_drafter_its_whole_block():
     assert policy.draft_lengths([Candidate(7, good)], 1) == [7]
     assert policy.draft_lengths([Candidate(7, poor, confidences=False)], 1) == [1]
     assert GoodputPolicy(costs).draft_lengths([Candidate(7, poor)], 1)[0] >= 1  # goodput drafts what it admits
+
+
+def test_a_block_drafter_is_charged_its_pass_on_the_first_position():
+    """DFlash drafts any number of tokens in one block forward: asked for one token it costs the pass. Same closed
+    form as above: a 0.9 s pass at survival 0.3 returns at most 1.43 tokens for 2.2 s, so nothing is drafted, where
+    a per-token charge (0.9 / 7 s) admitted one token, which cost the whole pass; at 0.95 all 7 are drafted. Both
+    policies charge it so. The per-proposal cost is measured per call, whatever the number of tokens asked for."""
+    from verispec.engine.scheduler import drafting_costs
+
+    est = AcceptanceEstimator()
+    est.observe_draft(7, 0.7)
+    est.observe_draft(1, 0.7)
+    assert est.draft_cost_per_proposal == pytest.approx(0.7)
+    assert est.draft_cost_per_token == pytest.approx(0.8 * 0.1 + 0.2 * 0.7)
+
+    costs = StepCosts(CostTable((1, 8), (1.0, 1.2)))
+    poor, good = AcceptanceEstimator(prior=0.3), AcceptanceEstimator(prior=0.95)
+    for e in (poor, good):
+        e.draft_cost_per_token, e.draft_cost_per_proposal = 0.9 / 7, 0.9
+    block = Candidate(7, poor, confidences=False, one_pass=True)
+    assert drafting_costs(block, whole_blocks=False) == pytest.approx([0.9] + [0.0] * 6)
+    for policy in (DSparkPolicy(costs), GoodputPolicy(costs)):
+        assert policy.draft_lengths([block], 1) == [0]
+        assert policy.draft_lengths([Candidate(7, poor, confidences=False)], 1) == [1]  # per token: one admitted
+        assert policy.draft_lengths([Candidate(7, good, confidences=False, one_pass=True)], 1) == [7]

@@ -10,6 +10,8 @@ its own config.
   release()            -> once, when the request ends: free per-request resources (KV slots).
 A drafter that never gives confidences says so with `gives_confidence = False` (absent: it may give them); the
 `dspark` policy then drafts, from a request's first step on, only what the online estimate would verify.
+A drafter whose proposal is one pass whatever k (a block drafter) says so with `drafts_in_one_pass = True`
+(absent: False, its drafting time grows with k); the policies then charge its pass to the first drafted token.
 Drafters with state of their own (a draft model's KV cache) keep it consistent in observe(), and may offer
   check_own_state(tokens) -> state oracle (`--check-state`): tokens = the committed tokens; recompute the
                           drafter's own state from scratch and raise AssertionError (check.state.StateMismatch)
@@ -68,6 +70,8 @@ class Drafter(Protocol):
     name: str
     # optional: False where propose() never fills Draft.confidence (read with getattr(drafter, ..., True))
     gives_confidence: bool
+    # optional: True where one propose() call costs one pass whatever k (read with getattr(drafter, ..., False))
+    drafts_in_one_pass: bool
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 

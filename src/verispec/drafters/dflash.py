@@ -54,6 +54,8 @@ def load(path: str | Path, target, inference: bool = True) -> DFlashModel:
 
 
 class DFlashDrafter:
+    drafts_in_one_pass = True  # one block forward per proposal, however many of its tokens are asked for
+
     def __init__(self, model: DFlashModel, params: SamplingParams) -> None:
         self.model, self.params, self.cfg = model, params, model.cfg
         self.name = "dspark" if model.cfg.dspark else "dflash"

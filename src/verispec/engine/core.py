@@ -196,7 +196,8 @@ class Engine:
         if self.config.draft_tree == "auto":
             for lv, k in zip(spec, limits):
                 lv.choose_shape(k, self.policy.step_seconds(plan.base_tokens + k, plan.base_tokens))
-        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences) for lv, k in zip(spec, limits)]
+        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass)
+                 for lv, k in zip(spec, limits)]
         proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
         keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
         budget = plan.draft_budget
@@ -395,7 +396,8 @@ class Engine:
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
             live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb, tree_now=self.config.draft_tree is True,
-                               confidences=getattr(drafter, "gives_confidence", True))
+                               confidences=getattr(drafter, "gives_confidence", True),
+                               one_pass=getattr(drafter, "drafts_in_one_pass", False))
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore

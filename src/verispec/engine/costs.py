@@ -190,6 +190,7 @@ class AcceptanceEstimator:
     probe_len: int = 2
     max_probe_every: int = 64  # a probe that finds nothing doubles the wait before the next, up to this
     draft_cost_per_token: float = 0.0  # seconds, measured online
+    draft_cost_per_proposal: float = 0.0  # seconds per drafter call with tokens, measured online
     accept_rate: float = field(init=False)
     pos_rates: list[float] = field(default_factory=list, init=False)
     _plain_steps: int = field(default=0, init=False)
@@ -221,12 +222,14 @@ class AcceptanceEstimator:
         return False
 
     def observe_draft(self, tokens: int, draft_s: float) -> None:
-        """The drafter proposed `tokens` tokens in `draft_s` seconds (verified or not): its cost per drafted token."""
+        """The drafter proposed `tokens` tokens in `draft_s` seconds (verified or not): its cost per drafted token
+        and per proposal (what a block drafter's one pass costs, however many of its tokens were asked for)."""
         if tokens <= 0:
             return
         per_tok = draft_s / tokens
-        old = self.draft_cost_per_token
+        old, old_call = self.draft_cost_per_token, self.draft_cost_per_proposal
         self.draft_cost_per_token = 0.8 * old + 0.2 * per_tok if old else per_tok
+        self.draft_cost_per_proposal = 0.8 * old_call + 0.2 * draft_s if old_call else draft_s
 
     def update(self, drafted: int, accepted: int) -> None:
         """`drafted` draft tokens were verified and `accepted` of them accepted (drafting time comes separately,

@@ -37,6 +37,7 @@ class LiveRequest:
     probe: bool = False  # the estimator asked for a short probe this step
     confidences: bool = True  # its drafter may give per-position confidences (False: it says it never does, or a
     # draft came without)
+    one_pass: bool = False  # its drafter drafts any number of tokens in one pass (`drafts_in_one_pass`)
     aborted: bool = False
     # this step's speculation, reset by `clear_draft` at the start of every step
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward

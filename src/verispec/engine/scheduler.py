@@ -33,6 +33,7 @@ class Candidate:
     estimator: AcceptanceEstimator
     probe: bool = False  # the estimator asks for a short probe this step
     confidences: bool = True  # its drafter may give per-position confidences (False once a draft came without)
+    one_pass: bool = False  # its drafter drafts any number of tokens in one pass (a block drafter: DFlash, DSpark)
 
 
 class Proposal(Protocol):
@@ -113,12 +114,16 @@ def admit_prefixes(
 
 def drafting_costs(c: Candidate, whole_blocks: bool) -> list[float]:
     """[c.limit] seconds that admitting each draft position of `c` adds in drafting, from its measured seconds per
-    drafted token. With `whole_blocks` a drafter with confidences drafts its whole block once any of it is admitted
-    (its confidences then decide what is verified), so its first position costs the block and the others nothing;
-    otherwise a drafter drafts what is admitted, position by position. Charging a confident drafter one position's
+    drafted token and per proposal. A drafter that drafts in one pass (a block drafter) costs its pass on the first
+    admitted position and nothing on the others, whatever it is asked for. With `whole_blocks` a drafter with
+    confidences drafts its whole block once any of it is admitted (its confidences then decide what is verified),
+    so its first position costs the block and the others nothing; otherwise a drafter drafts what is admitted,
+    position by position. Charging a block drafter per token made one position look 1/k of a pass. Charging a confident drafter one position's
     share of a block it drafts whole made DSpark (one block forward per proposal) draft on most steps of chat while
     its confidences verified none of it: 9% of its time, x0.89 of plain (spec_single, 27 prompts x 2)."""
     per_token = c.estimator.draft_cost_per_token
+    if c.one_pass and c.limit:
+        return [c.estimator.draft_cost_per_proposal] + [0.0] * (c.limit - 1)
     if whole_blocks and c.confidences and c.limit:
         return [c.limit * per_token] + [0.0] * (c.limit - 1)
     return [per_token] * c.limit
