@@ -199,6 +199,8 @@ class Engine:
         cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass)
                  for lv, k in zip(spec, limits)]
         proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
+        if not any(d.tokens for d in proposals):  # speculation off this step: nothing for the policy to cut
+            return
         keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
         budget = plan.draft_budget
         for lv, d, n in zip(spec, proposals, keep):
