@@ -203,3 +203,18 @@ def test_drafting_time_is_per_proposed_token_verified_or_not():
     assert est.draft_cost_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
     est.observe_draft(0, 1.0)  # nothing proposed: nothing learnt
     assert est.draft_cost_per_token == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+
+
+def test_probes_of_a_dear_drafter_wait_until_its_drafting_is_a_small_share_of_the_plain_steps():
+    """A probe is due after the back-off's plain steps (8 first), and for a drafter whose proposal costs 11 ms against
+    8 ms forwards no sooner than 0.011 / (0.02 x 0.008) = 68.75 -> 69 plain steps; a proposal of 0.1 ms changes
+    nothing (0.1 / 0.16 -> 1 step), and neither does an unknown step time."""
+    def first_due(est: AcceptanceEstimator, step_s: float) -> int:
+        return next(i for i in range(1, 1000) if est.plain_step(step_s))
+
+    dear, cheap, untimed = AcceptanceEstimator(), AcceptanceEstimator(), AcceptanceEstimator()
+    dear.draft_cost_per_proposal, cheap.draft_cost_per_proposal = 0.011, 0.0001
+    assert first_due(dear, 0.008) == 69
+    assert first_due(cheap, 0.008) == 8
+    assert first_due(untimed, 0.008) == 8
+    assert first_due(AcceptanceEstimator(draft_cost_per_proposal=0.011), 0.0) == 8

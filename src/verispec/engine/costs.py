@@ -189,6 +189,9 @@ class AcceptanceEstimator:
     probe_every: int = 8  # after this many plain steps, try a short draft again
     probe_len: int = 2
     max_probe_every: int = 64  # a probe that finds nothing doubles the wait before the next, up to this
+    # probes of a drafter whose proposal is dear come no more often than its drafting time stays within this share of
+    # the plain steps between them (a DFlash pass: ~11 ms against an 8 ms step, every 69 steps at most)
+    probe_share: float = 0.02
     draft_cost_per_token: float = 0.0  # seconds, measured online
     draft_cost_per_proposal: float = 0.0  # seconds per drafter call with tokens, measured online
     accept_rate: float = field(init=False)
@@ -213,10 +216,15 @@ class AcceptanceEstimator:
             out.append(s)
         return out
 
-    def plain_step(self) -> bool:
-        """Note a step without speculation; True when a probe is due."""
+    def plain_step(self, step_s: float = 0.0) -> bool:
+        """Note a step without speculation (its forward took `step_s` seconds, 0: not known); True when a probe is
+        due: after the back-off's number of plain steps, and no sooner than the measured drafting time of one
+        proposal is `probe_share` of the plain steps' time since the last."""
         self._plain_steps += 1
-        if self._plain_steps >= self._probe_gap:
+        gap = self._probe_gap
+        if step_s > 0 and self.draft_cost_per_proposal > 0 and self.probe_share > 0:
+            gap = max(gap, math.ceil(self.draft_cost_per_proposal / (self.probe_share * step_s)))
+        if self._plain_steps >= gap:
             self._plain_steps, self._probing = 0, True
             return True
         return False

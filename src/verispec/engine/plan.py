@@ -84,10 +84,10 @@ class LiveRequest:
         """The drafter proposed tokens, so it must hear the verdict (even if none was verified)."""
         return self.proposed_tokens > 0
 
-    def learn(self, accepted: int, committed: int) -> None:
+    def learn(self, accepted: int, committed: int, step_s: float = 0.0) -> None:
         """After verification, for a request with a drafter: its drafting time, the acceptance estimate of this
         step's draft shape, and the probe schedule. committed: the token the target committed at the draft's first
-        position."""
+        position; step_s: the step's forward time."""
         g = len(self.draft.tokens)
         if self.proposed:
             self.shape_estimator.observe_draft(self.proposed_tokens, self.draft_s)
@@ -102,7 +102,7 @@ class LiveRequest:
             self.shape_estimator.update(1, int(committed == self.shadow))
             self.probe = False
         else:
-            self.probe = self.estimator.plain_step()
+            self.probe = self.estimator.plain_step(step_s)
 
 
 @dataclass(frozen=True)
