@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from verispec.drafters import DrafterFactory
-from verispec.drafters.base import EMPTY, Draft, Drafter, needs_features
+from verispec.drafters.base import Drafter, needs_features
 from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
@@ -198,7 +198,7 @@ class Engine:
                 lv.choose_shape(k, self.policy.step_seconds(plan.base_tokens + k, plan.base_tokens))
         cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass)
                  for lv, k in zip(spec, limits)]
-        proposals = [self._propose(lv, k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
+        proposals = [lv.propose(k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
         if not any(d.tokens for d in proposals):  # speculation off this step: nothing for the policy to cut
             return
         keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
@@ -208,40 +208,6 @@ class Engine:
             budget -= n
             lv.draft = d.head(n)
             lv.shadow = d.tokens[0] if d.tokens and not n else None  # drafted, none verified (see `_account`)
-
-    def _propose(self, lv: LiveRequest, k: int) -> Draft:
-        """Ask the request's drafter for up to k tokens, timing it; the proposal is cut to k."""
-        if k <= 0:
-            return EMPTY
-        t = time.perf_counter()
-        try:
-            if lv.tree_now and hasattr(lv.drafter, "propose_tree"):
-                tree = lv.drafter.propose_tree(lv.req.all_ids, k, k)  # type: ignore[union-attr]
-                d = Draft(list(tree.tokens), parents=tree.parents)
-            else:
-                d = lv.drafter.propose(lv.req.all_ids, k)  # type: ignore[union-attr]
-        except AssertionError:  # a broken invariant: the engine's state is suspect
-            raise
-        except Exception as exc:  # noqa: BLE001 - only this request's drafter failed: it decodes on without one
-            self._drop_drafter(lv, exc)
-            return EMPTY
-        lv.draft_s = time.perf_counter() - t
-        lv.proposed_tokens = min(len(d.tokens), k)
-        if d.tokens:
-            lv.confidences = d.confidence is not None
-        return d.head(k)
-
-    def _drop_drafter(self, lv: LiveRequest, exc: Exception) -> None:
-        """A drafter raised while proposing: the request goes on as plain decoding (the output is the target's
-        either way), the drafter is released, and the error is kept in the request's stats and logged."""
-        log.warning("drafter of request %s failed, decoding on without speculation: %s: %s", lv.req.request_id,
-                    type(exc).__name__, exc, exc_info=exc)
-        lv.req.stats.drafter_error = f"{type(exc).__name__}: {exc}"
-        drafter, lv.drafter = lv.drafter, None
-        try:
-            drafter.release()  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - already failed; nothing more to free
-            log.debug("release of a failed drafter raised", exc_info=True)
 
     def _limit(self, lv: LiveRequest) -> int:
         r = lv.req

@@ -8,6 +8,8 @@ draft it carries into this step's forward, lives on its `LiveRequest`.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 
     from verispec.drafters.base import Drafter
     from verispec.engine.stops import StopMatcher
+
+log = logging.getLogger(__name__)
 
 TokenCallback = Callable[[Request, list[int]], None]
 SHAPE_RETRY_EVERY = 8  # with "draft_tree": "auto", every 8th speculating step drafts the shape not preferred
@@ -75,6 +79,41 @@ class LiveRequest:
         if self.shape_steps >= SHAPE_RETRY_EVERY:
             best, self.shape_steps = not best, 0
         self.tree_now = best
+
+    def propose(self, k: int) -> Draft:
+        """Ask the request's drafter for up to k tokens (a tree in tree steps), timing it; the proposal is cut to k.
+        A drafter that raises is dropped (`drop_drafter`) and EMPTY returned; a broken invariant propagates."""
+        if k <= 0:
+            return EMPTY
+        t = time.perf_counter()
+        try:
+            if self.tree_now and hasattr(self.drafter, "propose_tree"):
+                tree = self.drafter.propose_tree(self.req.all_ids, k, k)  # type: ignore[union-attr]
+                d = Draft(list(tree.tokens), parents=tree.parents)
+            else:
+                d = self.drafter.propose(self.req.all_ids, k)  # type: ignore[union-attr]
+        except AssertionError:  # a broken invariant: the engine's state is suspect
+            raise
+        except Exception as exc:  # noqa: BLE001 - only this request's drafter failed: it decodes on without one
+            self.drop_drafter(exc)
+            return EMPTY
+        self.draft_s = time.perf_counter() - t
+        self.proposed_tokens = min(len(d.tokens), k)
+        if d.tokens:
+            self.confidences = d.confidence is not None
+        return d.head(k)
+
+    def drop_drafter(self, exc: Exception) -> None:
+        """The drafter raised while proposing: the request goes on as plain decoding (the output is the target's
+        either way), the drafter is released, and the error is kept in the request's stats and logged."""
+        log.warning("drafter of request %s failed, decoding on without speculation: %s: %s", self.req.request_id,
+                    type(exc).__name__, exc, exc_info=exc)
+        self.req.stats.drafter_error = f"{type(exc).__name__}: {exc}"
+        drafter, self.drafter = self.drafter, None
+        try:
+            drafter.release()  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - already failed; nothing more to free
+            log.debug("release of a failed drafter raised", exc_info=True)
 
     def clear_draft(self) -> None:
         self.draft, self.draft_s, self.proposed_tokens, self.shadow = EMPTY, 0.0, 0, None

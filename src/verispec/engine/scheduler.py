@@ -113,19 +113,15 @@ def admit_prefixes(
 
 
 def drafting_costs(c: Candidate, whole_blocks: bool) -> list[float]:
-    """[c.limit] seconds that admitting each draft position of `c` adds in drafting, from its measured seconds per
-    drafted token and per proposal. A drafter that drafts in one pass (a block drafter) costs its pass on the first
-    admitted position and nothing on the others, whatever it is asked for. With `whole_blocks` a drafter with
-    confidences drafts its whole block once any of it is admitted (its confidences then decide what is verified),
-    so its first position costs the block and the others nothing; otherwise a drafter drafts what is admitted,
-    position by position. Charging a block drafter per token made one position look 1/k of a pass. Charging a confident drafter one position's
-    share of a block it drafts whole made DSpark (one block forward per proposal) draft on most steps of chat while
-    its confidences verified none of it: 9% of its time, x0.89 of plain (spec_single, 27 prompts x 2)."""
+    """[c.limit] seconds that admitting each draft position of `c` adds in drafting. A drafter that drafts in one
+    pass (a block drafter: its measured seconds per proposal) and, with `whole_blocks`, a drafter with confidences
+    (it drafts its whole block once any of it is admitted; the confidences then decide what is verified: limit x its
+    seconds per token) cost that block on the first admitted position and nothing after; any other drafter drafts
+    what is admitted, at its measured seconds per token."""
     per_token = c.estimator.draft_cost_per_token
-    if c.one_pass and c.limit:
-        return [c.estimator.draft_cost_per_proposal] + [0.0] * (c.limit - 1)
-    if whole_blocks and c.confidences and c.limit:
-        return [c.limit * per_token] + [0.0] * (c.limit - 1)
+    if c.limit and (c.one_pass or (whole_blocks and c.confidences)):
+        block = c.estimator.draft_cost_per_proposal if c.one_pass else c.limit * per_token
+        return [block] + [0.0] * (c.limit - 1)
     return [per_token] * c.limit
 
 
