@@ -20,6 +20,7 @@ except KernelUnavailable as e:
     pytest.skip(f"verispec's CPU kernel cannot be built here: {e}", allow_module_level=True)
 
 from verispec.config import ModelConfig  # noqa: E402
+from verispec.drafters.features import take  # noqa: E402
 from verispec.execution.decoder_kernel import DecoderKernel  # noqa: E402
 from verispec.execution.q8act import Q8ActWeight  # noqa: E402
 from verispec.models.llama import LlamaModel, Segment  # noqa: E402
@@ -65,12 +66,14 @@ def steps(model: LlamaModel, paged: bool, use_kernel: bool) -> tuple[list[torch.
         outs = []
         for slot, toks in ((a, ids[:13]), (b, ids[13:20])):
             o = model.prefill(toks, cache, slot, logits_indices=range(len(toks)), capture_layers=(1, 3))
-            outs += [o.logits, o.hidden[1], o.hidden[3]]
+            # the features a drafter reads: one slice of the kernel's side-by-side buffer, else the concatenation
+            assert (o.packed is not None) == use_kernel
+            outs += [o.logits, o.hidden[1], o.hidden[3], take(o, (1, 3), slice(2, len(toks)))]
         at = 20
         for na, nb in ((3, 1), (1, 2), (1, 1)):
             segs = [Segment(a, cache.length(a), na), Segment(b, cache.length(b), nb)]
             o = model(ids[at : at + na + nb], segs, cache, logits_indices=range(na + nb), capture_layers=(0, 2))
-            outs += [o.logits, o.hidden[0], o.hidden[2]]
+            outs += [o.logits, o.hidden[0], o.hidden[2], take(o, (0, 2), torch.tensor([na + nb - 1, 0]))]
             at += na + nb
             cache.commit(a, max(1, na - 1))  # the last drafted row of a rejected
             cache.commit(b, nb)

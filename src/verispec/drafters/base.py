@@ -85,7 +85,10 @@ class Drafter(Protocol):
 class FeatureDrafter(Drafter, Protocol):
     feature_layers: tuple[int, ...]  # hidden states ENTERING these target layers; index L = final pre-norm output
 
-    def add_features(self, feats: torch.Tensor) -> None: ...
+    def add_features(self, feats: torch.Tensor) -> None:
+        """feats: [n, len(feature_layers) d] of the next committed positions; may be a view of the step's capture
+        buffer, so a drafter copies what it keeps."""
+        ...
 
     def check_state(self, ref: torch.Tensor, tokens: Sequence[int]) -> None: ...
 

@@ -35,6 +35,7 @@ import torch
 
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
+from verispec.drafters.features import own
 from verispec.drafters.dspark_head import calibrated_confidence
 from verispec.drafters.path_selector import walk
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, sample_rows, target_probs
@@ -77,12 +78,12 @@ class DFlashDrafter:
         return self._kv_n + self._pending_n
 
     def add_features(self, feats: torch.Tensor) -> None:
-        """feats: [m, len(feature_layers) d], the next m committed positions' target features. Kept (a copy, not
-        a view of the step's output) and turned into context K/V at the next proposal or state check, in one
+        """feats: [m, len(feature_layers) d], the next m committed positions' target features. Kept (`own`: not
+        a view of a bigger step's buffer) and turned into context K/V at the next proposal or state check, in one
         batch: while the scheduler has speculation off, a step costs the drafter nothing."""
         assert not self.released, "the drafter was released"
         if feats.shape[0]:
-            self._pending.append(feats.to(self.device, copy=True))
+            self._pending.append(own(feats, self.device))
             self._pending_n += feats.shape[0]
 
     @torch.inference_mode()

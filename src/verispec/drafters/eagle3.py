@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from verispec.drafters.base import Draft
+from verispec.drafters.features import own
 from verispec.drafters.tree_growth import Growth, frontier_width
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel
@@ -251,12 +252,11 @@ class Eagle3Drafter:
             self._n_fused, self._raw, self._n_raw = n + raw.shape[0], [], 0
         return self._fused[: self._n_fused]
 
-    @torch.inference_mode()
-    def add_features(self, feats: torch.Tensor) -> None:
+    def add_features(self, feats: torch.Tensor) -> None:  # no autograd here to switch off
         """[n, len(layers) d] target features of the next committed positions (fused when next needed)."""
         if self.n_feat + feats.shape[0] > self._fused.shape[0]:
             raise ValueError(f"EAGLE-3 features past its {self._fused.shape[0]} positions")
-        self._raw.append(feats.to(self._fused.dtype, copy=True))  # its own copy, not a view of the step's output
+        self._raw.append(own(feats, self._fused.device, self._fused.dtype))
         self._n_raw += feats.shape[0]
 
     def _run(self, emb: torch.Tensor, feat: torch.Tensor, start: int) -> torch.Tensor:

@@ -39,6 +39,25 @@ def select(hidden: Mapping[int, torch.Tensor], layers: Sequence[int], rows: slic
     return torch.cat(parts, dim=-1)
 
 
+def take(out: ForwardOutput, layers: Sequence[int], rows: slice | torch.Tensor) -> torch.Tensor:
+    """`select` from a forward's output: where the forward captured exactly `layers` side by side (`out.packed`),
+    their rows of that buffer, with no concatenation (a view for a slice: copy what you keep); else select's."""
+    if out.packed is not None and tuple(layers) == out.packed_layers:
+        return out.packed[rows]
+    return select(out.hidden, layers, rows)
+
+
+def own(feats: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """feats as a drafter keeps them: the tensor itself where it is the whole of its storage (a fresh tensor, or a
+    one-position step's capture buffer: keeping it holds nothing more alive), else a copy (a view of a bigger step's
+    buffer would keep every row of that step alive while the drafter waits to use its own)."""
+    dtype = feats.dtype if dtype is None else dtype
+    if (feats.dtype is dtype and feats.device == device
+            and feats.untyped_storage().nbytes() == feats.numel() * feats.element_size()):
+        return feats
+    return feats.to(device=device, dtype=dtype, copy=True)
+
+
 def capture_forward(model: LlamaModel, tokens: Sequence[int], layers: Sequence[int]) -> ForwardOutput:
     """A from-scratch target forward over `tokens` in a fresh cache, capturing `layers` and the post-norm states."""
     _, _, out = model.prefill_fresh(tokens, logits_indices=[len(tokens) - 1], capture_layers=tuple(layers),

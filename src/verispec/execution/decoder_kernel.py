@@ -85,10 +85,12 @@ class DecoderKernel:
         return s.length <= TREE_ROWS and all(w is None or w > max(depths(s.tree)) for w in self._windows)
 
     def run(self, x: torch.Tensor, segments: Sequence, cache: object, cos: torch.Tensor, sin: torch.Tensor,
-            capture: Sequence[int] = ()) -> dict[int, torch.Tensor]:
+            capture: Sequence[int] = ()) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
         """x: [N, d] float32, the segments' embedded tokens in segment order, replaced in place by the last layer's
         output; their K/V are written into `cache` (blocks already reserved); cos, sin: [N, (1,) hd] the rows'
-        RoPE. Returns {layer i: [N, d] the hidden state entering layer i} for i in `capture` below num_layers."""
+        RoPE. Returns ({layer i: [N, d] the hidden state entering layer i}, for i in `capture` below num_layers,
+        and the [N, k d] buffer those are column views of, in ascending layer order; None when nothing is
+        captured): a drafter's features are then one slice of it, not a concatenation per step."""
         c = self.cfg
         n = x.shape[0]
         if x.dtype is not torch.float32 or not x.is_contiguous() or x.shape[1] != c.hidden_size:
@@ -96,17 +98,20 @@ class DecoderKernel:
         cos = cos.reshape(n, c.head_dim).contiguous()
         sin = sin.reshape(n, c.head_dim).contiguous()
         pos, rpos, hi, anc, base, toff, tables, bs, hstride = _addressing(segments, cache)
-        hidden = {i: torch.empty_like(x) for i in capture if i < c.num_layers}
+        layers = sorted({i for i in capture if i < c.num_layers})
+        d = c.hidden_size
+        packed = x.new_empty(n, len(layers) * d) if layers else None
+        hidden = {i: packed[:, k * d : (k + 1) * d] for k, i in enumerate(layers)} if packed is not None else {}
         caps = _array(_p, [hidden[i].data_ptr() if i in hidden else 0 for i in range(c.num_layers)]) if hidden else None
         rc = self.lib.lib.vs_decoder(
             self._table, c.num_layers, _array(_p, [t.data_ptr() for t in cache.k]),  # type: ignore[attr-defined]
             _array(_p, [t.data_ptr() for t in cache.v]), c.hidden_size, c.num_heads,  # type: ignore[attr-defined]
             c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5, x.data_ptr(), n,
             cos.data_ptr(), sin.data_ptr(), pos, rpos, hi, anc, base, tables, toff, bs, hstride, caps,
-            torch.get_num_threads())
+            len(layers) * d, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"vs_decoder failed ({'bad shapes' if rc == -1 else 'out of memory'})")
-        return hidden
+        return hidden, packed
 
 
 def _addressing(segments: Sequence, cache: object) -> tuple:

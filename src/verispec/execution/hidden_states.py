@@ -34,7 +34,7 @@ def record_hidden_states(req: "Request", out: "BatchOutput", block: int, n: int 
     """Keep block `block`'s committed rows (its first n, or the given tree rows) when the request asked for them."""
     layers = req.params.return_hidden_states
     if layers:
-        req.hidden_rows.append(out.features(block, n, rows, layers=layers))  # [n, len(layers) d], a copy
+        req.hidden_rows.append(out.features(block, n, rows, layers=layers).clone())  # [n, len(layers) d], its own
 
 
 def hidden_states(req: "Request", hidden_size: int) -> dict[int, torch.Tensor] | None:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.features import select
+from verispec.drafters.features import take
 from verispec.models.llama import ForwardOutput, LlamaModel, Segment
 from verispec.state.kv_cache import KVCache
 
@@ -46,13 +46,14 @@ class BatchOutput:
     def features(self, block: int, n: int | None = None, rows: Sequence[int] | None = None,
                  layers: Sequence[int] | None = None) -> torch.Tensor:
         """[n, len(layers) d]: the captured states of `layers` (default: the drafters' `feature_layers`) at the
-        block's first n rows (all by default), or at the given rows of the block (a tree's root and accepted path)."""
+        block's first n rows (all by default), or at the given rows of the block (a tree's root and accepted path).
+        May be a view of the step's capture buffer: copy what you keep."""
         r = self.rows[block]
         layers = self.feature_layers if layers is None else layers
         if rows is not None:
-            return select(self.out.hidden, layers, torch.tensor([r.start + i for i in rows]))
+            return take(self.out, layers, torch.tensor([r.start + i for i in rows]))
         stop = r.stop if n is None else r.start + n
-        return select(self.out.hidden, layers, slice(r.start, stop))
+        return take(self.out, layers, slice(r.start, stop))
 
 
 class ModelRunner:

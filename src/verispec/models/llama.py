@@ -76,6 +76,10 @@ class ForwardOutput:
     logits: torch.Tensor  # [M, vocab] float32, one row per requested index
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer i -> [N, d] hidden entering layer i
     last_hidden: torch.Tensor | None = None  # [N, d] after the final norm, if asked for
+    # [N, k d]: the states of `packed_layers` side by side, when the forward captured them into one buffer (the
+    # decoder kernel; `hidden`'s entries for those layers are views of it)
+    packed: torch.Tensor | None = None
+    packed_layers: tuple[int, ...] = ()
 
 
 def _offsets(s: Segment) -> Sequence[int]:
@@ -92,7 +96,7 @@ class DecoderKernelLike(Protocol):
     def covers(self, segments: Sequence[Segment], cache: Cache) -> bool: ...
 
     def run(self, x: torch.Tensor, segments: Sequence[Segment], cache: Cache, cos: torch.Tensor, sin: torch.Tensor,
-            capture: Sequence[int] = ()) -> dict[int, torch.Tensor]: ...
+            capture: Sequence[int] = ()) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]: ...
 
 
 
@@ -294,13 +298,15 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [N, d]
         kernel = self.decoder_kernel
         if kernel is not None and kernel.covers(segments, cache):  # every layer in one kernel call, x in place
-            hidden = kernel.run(x, segments, cache, *self.rope_rows(segments), capture_layers)
+            hidden, packed = kernel.run(x, segments, cache, *self.rope_rows(segments), capture_layers)
         else:
-            x, hidden = self._layers(x, segments, cache, capture_layers)
+            (x, hidden), packed = self._layers(x, segments, cache, capture_layers), None
+        packed_layers = tuple(sorted(hidden)) if packed is not None else ()
         if self.cfg.num_layers in capture_layers:
             hidden[self.cfg.num_layers] = x
         logits, last = self._head(x, segments, logits_indices, return_last_hidden)
-        return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last)
+        return ForwardOutput(logits=logits, hidden=hidden, last_hidden=last, packed=packed,
+                             packed_layers=packed_layers)
 
     def _layers(self, x: torch.Tensor, segments: Sequence[Segment], cache: Cache, capture_layers: Sequence[int]
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -969,15 +969,16 @@ static void write_kv(const vs_rows *R, const float *qkv, int64_t N, int64_t H, i
 }
 
 /* x [N, d] (float32, in place) through layers 0 .. nl - 1; kc, vc: each layer's cache tensors; cos, sin [N, hd]
- * the rows' RoPE (at rpos); capture: per layer NULL or an [N, d] buffer that gets x as it enters the layer. Returns 0, -1
- * for bad shapes, -2 without memory. */
+ * the rows' RoPE (at rpos); capture: per layer NULL or the first of N rows, cap_ld floats apart (cap_ld >= d: several
+ * layers' states side by side in one buffer), that get x as it enters the layer. Returns 0, -1 for bad shapes, -2
+ * without memory. */
 int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *const *vc, int64_t d, int64_t H,
                int64_t KH, int64_t hd, int64_t I, float eps, float scale, float *x, int64_t N, const float *cos,
                const float *sin, const int64_t *pos, const int64_t *rpos, const int64_t *hi, const uint64_t *anc,
                const int64_t *base, const int32_t *tables, const int64_t *toff, int64_t bs, int64_t hstride,
-               float *const *capture, int nthreads) {
+               float *const *capture, int64_t cap_ld, int nthreads) {
     if (N <= 0) return 0;
-    if (KH <= 0 || H % KH || hd > 512 || hd % 2) return -1;
+    if (KH <= 0 || H % KH || hd > 512 || hd % 2 || (capture && cap_ld < d)) return -1;
     const int64_t W = (H + 2 * KH) * hd;
     float *buf = malloc((size_t)(N * (W + H * hd + d + 2 * I)) * sizeof(float));
     if (!buf) return -2;
@@ -986,7 +987,8 @@ int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *cons
     for (int64_t l = 0; l < nl && !rc; l++) {
         const vs_layer *L = layers + l;
         const vs_rows R = {kc[l], vc[l], pos, rpos, hi, base, toff, anc, tables, bs, hstride};
-        if (capture && capture[l]) memcpy(capture[l], x, (size_t)(N * d) * sizeof(float));
+        if (capture && capture[l])
+            for (int64_t r = 0; r < N; r++) memcpy(capture[l] + r * cap_ld, x + r * d, (size_t)d * sizeof(float));
         rc = vs_linear(L->qkv, L->qkv_kind, W, d, x, 0, N, qkv, 0, nthreads, 0, L->attn_norm, eps, NULL, 0);
         if (rc) break;
         vs_rope(qkv, N, W, H + KH, hd, cos, sin);
