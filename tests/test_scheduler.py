@@ -9,7 +9,7 @@ import pytest
 
 from verispec.drafters.base import Draft
 from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy, admit_prefixes, make_policy
-from verispec.engine.costs import AcceptanceEstimator, CostTable, StepCosts
+from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts
 
 
 def theta(lengths, survivals, costs, base):
@@ -78,6 +78,19 @@ def test_speculation_turns_off_when_the_batch_saturates():
     assert DSparkPolicy(linear).verify_lengths(probing, drafts, 16) == [0] * 16
     # on a flat cost table every draft token is worth verifying
     assert GoodputPolicy(StepCosts.flat()).draft_lengths(cands, 16) == [4] * 16
+
+
+def test_the_saturation_check_follows_the_measured_costs():
+    """`nothing_pays` is kept per (limit, rows) between steps; measured forwards that change the costs change it."""
+    flat = StepCosts(CostTable((1, 64), (1.0, 1.0)))  # the profile: extra rows free
+    measured = MeasuredStepCosts(flat, window=1)
+    policy = DSparkPolicy(measured)
+    cands = [Candidate(4, AcceptanceEstimator(prior=0.8)) for _ in range(4)]
+    assert not policy.nothing_pays(cands, 4)
+    for tokens in range(4, 9):  # the machine says otherwise: every row costs what a row does
+        measured.observe(tokens, 4, float(tokens))
+    assert policy.nothing_pays(cands, 4)
+    assert policy.draft_lengths(cands, 4) == [0] * 4
 
 
 def test_dspark_without_confidences_uses_the_online_estimates():

@@ -108,6 +108,10 @@ class MeasuredStepCosts:
     samples: dict[int, dict[int, deque[float]]] = field(default_factory=dict)  # segments -> tokens -> last seconds
     # segments -> the fitted line, None below two measured token counts
     _lines: dict[int, _Line | None] = field(default_factory=dict, init=False)
+    # segments -> tokens -> the estimate as last computed: the policies ask for the same few token counts every step,
+    # and the answers change only with the points (dropped with the line)
+    _memo: dict[int, dict[int, float]] = field(default_factory=dict, init=False)
+    version: int = field(default=0, init=False)  # counts the changes of the estimates (memos of callers key on it)
 
     def __post_init__(self) -> None:
         # a token count is well measured once min_count of its forwards are in its window
@@ -130,6 +134,8 @@ class MeasuredStepCosts:
         if median != old or len(last) == self.min_count:
             pts[tokens] = median
             self._lines.pop(segments, None)
+            self._memo.pop(segments, None)
+            self.version += 1
 
     def _line(self, segments: int) -> _Line | None:
         """The fitted line of seconds against tokens over the measured token counts and the well-measured points
@@ -151,6 +157,13 @@ class MeasuredStepCosts:
         return self._lines[segments]
 
     def __call__(self, tokens: int, segments: int = 1) -> float:
+        memo = self._memo.setdefault(segments, {})
+        got = memo.get(tokens)
+        if got is None:
+            got = memo[tokens] = self._estimate(tokens, segments)
+        return got
+
+    def _estimate(self, tokens: int, segments: int) -> float:
         pts = self.points.get(segments)
         if not pts:
             return self.prior(tokens, segments)

@@ -138,6 +138,8 @@ class _CostAware:
     def __init__(self, costs: StepCosts | MeasuredStepCosts, margin: float = RISK_MARGIN) -> None:
         self.costs = costs
         self.margin = margin
+        self._pays: dict[tuple, bool] = {}  # nothing_pays by (limit, rows, margin), for the costs' `version`
+        self._pays_version = -1
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
         return [c.limit for c in cands]  # every candidate drafts its limit
@@ -163,9 +165,18 @@ class _CostAware:
         falls per token as blocks grow past a request's limit."""
         k = max((c.limit for c in cands), default=0)
         B = max(base_tokens, len(cands))
-        base = self.costs(B, B)
-        return all((B + j) * base <= B * (base + (1 + self.margin) * (self.costs(B + j, B) - base))
-                   for j in range(1, k + 1))
+        version = getattr(self.costs, "version", 0)  # a fixed table has none: it never changes
+        if version != self._pays_version:
+            self._pays.clear()
+            self._pays_version = version
+        key = (k, B, self.margin)
+        got = self._pays.get(key)
+        if got is None:  # asked every step with the same few answers: about 45 us each in the engine, uncached
+            base = self.costs(B, B)
+            got = self._pays[key] = all(
+                (B + j) * base <= B * (base + (1 + self.margin) * (self.costs(B + j, B) - base))
+                for j in range(1, k + 1))
+        return got
 
 
 class StaticPolicy(_CostAware):
