@@ -87,7 +87,7 @@ class FeatureDrafter(Drafter, Protocol):
 
     def add_features(self, feats: torch.Tensor) -> None:
         """feats: [n, len(feature_layers) d] of the next committed positions; may be a view of the step's capture
-        buffer, so a drafter copies what it keeps."""
+        buffer, so a drafter keeps it through `features.own`."""
         ...
 
     def check_state(self, ref: torch.Tensor, tokens: Sequence[int]) -> None: ...

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from verispec.drafters.features import own
+
 if TYPE_CHECKING:
     from verispec.execution.runner import BatchOutput
     from verispec.state.request import Request
@@ -34,7 +36,8 @@ def record_hidden_states(req: "Request", out: "BatchOutput", block: int, n: int 
     """Keep block `block`'s committed rows (its first n, or the given tree rows) when the request asked for them."""
     layers = req.params.return_hidden_states
     if layers:
-        req.hidden_rows.append(out.features(block, n, rows, layers=layers).clone())  # [n, len(layers) d], its own
+        feats = out.features(block, n, rows, layers=layers)  # [n, len(layers) d]
+        req.hidden_rows.append(own(feats, feats.device))
 
 
 def hidden_states(req: "Request", hidden_size: int) -> dict[int, torch.Tensor] | None:

@@ -301,7 +301,7 @@ class LlamaModel(nn.Module):
             hidden, packed = kernel.run(x, segments, cache, *self.rope_rows(segments), capture_layers)
         else:
             (x, hidden), packed = self._layers(x, segments, cache, capture_layers), None
-        packed_layers = tuple(sorted(hidden)) if packed is not None else ()
+        packed_layers = tuple(sorted(hidden)) if packed is not None else ()  # before x (not in the buffer) joins
         if self.cfg.num_layers in capture_layers:
             hidden[self.cfg.num_layers] = x
         logits, last = self._head(x, segments, logits_indices, return_last_hidden)
