@@ -55,8 +55,8 @@ class Recorder:
     def check_state(self, ref, tokens):
         self.inner.check_state(ref, tokens)
 
-    def release(self):
-        self.inner.release()
+    def release(self, tokens=None):
+        self.inner.release(tokens)
 
 
 def main() -> None:

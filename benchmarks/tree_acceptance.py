@@ -68,9 +68,7 @@ def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats
         t += verdict.accepted + 1
         steps += 1
         verified += len(d.tokens) + 1
-    if feats is None:
-        drafter.propose(prompt + out, 0)  # sees the whole output, then leaves it in a suffix cache on release
-    drafter.release()
+    drafter.release(prompt + out)  # the whole output (a suffix drafter leaves it in the shared cache)
     return len(out), steps, verified
 
 

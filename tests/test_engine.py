@@ -98,6 +98,24 @@ def test_dspark_never_drafts_where_no_draft_could_pay(tiny, references, monkeypa
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("scheduler", ["static", "dspark"])
+def test_the_suffix_cache_gets_every_finished_request_s_whole_output(tiny, references, scheduler):
+    """A finished request hands its whole output to the shared suffix cache: with a draft every step (the last
+    step's accepted tokens and bonus come after the last proposal) and with none at all (a saturated batch, where
+    dspark never calls the drafter)."""
+    from verispec.engine.costs import CostTable, StepCosts
+
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=4,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4}, scheduler=scheduler)
+    if scheduler == "dspark":
+        llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1.0, 64.0)))  # no draft could pay
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == references["llama"]
+    assert sorted(llm.drafters.suffix_cache._outputs) == sorted(references["llama"])
+    drafted = sum(o.stats["num_draft_tokens"] for o in outs)
+    assert (drafted == 0) == (scheduler == "dspark"), f"{drafted} draft tokens under {scheduler}"
+
+
 def test_drafts_the_policy_never_verifies_still_teach_the_estimate(tiny, references, monkeypatch):
     """A drafter whose proposals the policy cuts to nothing every step (as DSpark's own low confidences do) and
     whose first token is never the target's: the estimate learns that from the committed tokens, so the drafter
@@ -247,9 +265,9 @@ class FailingDrafter:
     def observe(self, accepted: int) -> None:
         self.inner.observe(accepted)
 
-    def release(self) -> None:
+    def release(self, tokens=None) -> None:
         self.released = True
-        self.inner.release()
+        self.inner.release(tokens)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -51,12 +51,14 @@ def _match_length(ctx: list[int], n_max: int, n_min: int) -> int:
     return 0
 
 
+@pytest.mark.parametrize("final", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_draft_is_scored_against_the_tokens_that_followed_it(seed):
+def test_every_draft_is_scored_against_the_tokens_that_followed_it(seed, final):
     """A request's stream grows by 1-4 tokens per step (accepted drafts plus the bonus); the drafter proposes k
     tokens each step. Afterwards the shared table holds, per (match length, position), exactly the counts found by
     comparing each reference proposal (ngram_propose) with the stream after it: positions up to the first mismatch
-    reached, the mismatch reached and failed, the rest unobserved; at the end only what the drafter saw covers."""
+    reached, the mismatch reached and failed, the rest unobserved. The stream ends some steps after the last
+    proposal: release() given it (`final`) scores the last drafts against it, else only what the drafter saw."""
     rng = random.Random(seed)
     n_max, n_min, k = rng.randint(2, 4), 1, rng.randint(2, 8)
     stream = [rng.randrange(5) for _ in range(rng.randint(5, 20))]
@@ -74,9 +76,11 @@ def test_every_draft_is_scored_against_the_tokens_that_followed_it(seed):
         assert draft.tokens == ref and (draft.confidence is None) == (not ref)
         if ref:
             proposals.append((t, _match_length(ctx, n_max, n_min), ref))
-        seen = t  # the drafter sees the tokens up to its last proposal's context (release() takes none)
+        seen = t  # the drafter sees the tokens up to its last proposal's context
         t += rng.randint(1, 4)
-    drafter.release()
+    drafter.release(stream if final else None)
+    if final:
+        seen = len(stream)
     want_reached: dict[tuple[int, int], int] = {}
     want_survived: dict[tuple[int, int], int] = {}
     for t, key, ref in proposals:

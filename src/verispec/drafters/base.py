@@ -77,8 +77,10 @@ class Drafter(Protocol):
 
     def observe(self, accepted: int) -> None: ...
 
-    def release(self) -> None:
-        """Free per-request resources (KV slots); called once when the request ends."""
+    def release(self, tokens: Sequence[int] | None = None) -> None:
+        """Free per-request resources (KV slots); called once when the request ends. `tokens`: its whole stream
+        (prompt and output) when it finished, which may run past the last context proposed for (steps without a
+        draft call no drafter); None when that is not known (preempted, drafter dropped): use what was seen."""
         ...
 
 

@@ -140,7 +140,7 @@ class DFlashDrafter:
                     raise AssertionError(f"{self.name}: context {what} of draft layer {li} differs at position {p} "
                                          f"of {n} (max abs diff {float(diff[p]):.3g} > {atol:g})")
 
-    def release(self) -> None:
+    def release(self, tokens: Sequence[int] | None = None) -> None:
         self._k, self._v, self._pending, self._pending_n = [], [], [], 0
         self.released = True
 

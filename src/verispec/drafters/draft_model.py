@@ -140,5 +140,5 @@ class DraftModelDrafter:
                                 f"{len(tokens)} committed tokens")
         check_kv(self.model, self.cache, self.slot, tokens[: self.n_cached], "draft model")
 
-    def release(self) -> None:
+    def release(self, tokens: Sequence[int] | None = None) -> None:
         self.cache.free(self.slot)

@@ -402,7 +402,7 @@ class Eagle3Drafter:
                     raise AssertionError(f"EAGLE-3 {name} of position {int(bad[0, 0])} of {m} differs from a "
                                          "recomputation from the committed tokens")
 
-    def release(self) -> None:
+    def release(self, tokens: Sequence[int] | None = None) -> None:
         self._fused = self._fused[:0]
         self._n_fused, self._raw, self._n_raw = 0, [], 0
         self.k = self.v = self._fused

@@ -277,5 +277,5 @@ class MTPDrafter:
                     raise AssertionError(f"MTP {name} of position {int(bad[0, 0])} of {m} differs from a "
                                          "recomputation from the committed tokens")
 
-    def release(self) -> None:
+    def release(self, tokens: Sequence[int] | None = None) -> None:
         self.cache.free(self.slot)

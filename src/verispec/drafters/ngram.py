@@ -183,7 +183,8 @@ class NgramDrafter:
     def observe(self, accepted: int) -> None:
         """Stateless between steps: the accepted tokens arrive with the next context."""
 
-    def release(self) -> None:
-        """Score what the request's tokens decide of its last drafts, then drop the per-request index."""
-        self.hindsight.score(self._tokens, final=True)
+    def release(self, tokens: Sequence[int] | None = None) -> None:
+        """Score what the request's final tokens (else the tokens seen) decide of its last drafts, then drop the
+        per-request index."""
+        self.hindsight.score(self._tokens if tokens is None else tokens, final=True)
         self._reset()

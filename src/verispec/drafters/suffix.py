@@ -347,11 +347,13 @@ class SuffixDrafter:
         """Remember the accepted draft tokens, so that release() can include them if no propose follows."""
         self._accepted = self._last[: max(0, accepted)]
 
-    def release(self) -> None:
-        """Hand this request's output (context beyond the prompt, plus accepted drafts) to the shared cache."""
+    def release(self, tokens: Sequence[int] | None = None) -> None:
+        """Hand this request's output to the shared cache: `tokens` beyond the prompt, else what was seen (the
+        context beyond the prompt, plus the accepted drafts)."""
         if self._released:
             return
         self._released = True
-        output = self._tokens[self.prompt_len or 0 :] + self._accepted
+        seen = self._tokens + self._accepted if tokens is None else [int(t) for t in tokens]
+        output = seen[self.prompt_len or 0 :]
         self.cache.add_output(output)
         self._trie, self._tokens, self._last, self._accepted = _Trie(self.config.max_tree_depth), [], [], []

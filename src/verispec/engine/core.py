@@ -401,7 +401,7 @@ class Engine:
 
     def _release(self, lv: LiveRequest) -> None:
         if lv.drafter is not None:
-            lv.drafter.release()
+            lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:
             self.cache.free(lv.req.slot)
         self.num_finished += 1
