@@ -116,6 +116,31 @@ def test_the_suffix_cache_gets_every_finished_request_s_whole_output(tiny, refer
     assert (drafted == 0) == (scheduler == "dspark"), f"{drafted} draft tokens under {scheduler}"
 
 
+def test_a_new_request_starts_from_the_drafting_cost_earlier_requests_measured(tiny, monkeypatch):
+    """A drafter far dearer than a step (20 ms per drafted token against a tiny model's ~1 ms forwards): the first
+    request learns that from its first proposal, and the requests after it start from the measured cost, so they
+    never draft (before, a new request's unknown cost was free: each drafted the whole limit once)."""
+    import time
+
+    from verispec.drafters.base import Draft
+    from verispec.drafters.ngram import NgramDrafter
+
+    calls = []
+
+    def dear(self, ctx, k):
+        calls.append(len(ctx))
+        time.sleep(0.02 * k)
+        return Draft([59] * k)
+
+    monkeypatch.setattr(NgramDrafter, "propose", dear)
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
+    for p in PROMPTS[:3]:  # one after the other
+        llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                     use_tqdm=False)
+    assert len(calls) == 1 and calls[0] == len(PROMPTS[0]) + 1, calls
+
+
 def test_drafts_the_policy_never_verifies_still_teach_the_estimate(tiny, references, monkeypatch):
     """A drafter whose proposals the policy cuts to nothing every step (as DSpark's own low confidences do) and
     whose first token is never the target's: the estimate learns that from the committed tokens, so the drafter

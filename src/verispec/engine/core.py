@@ -88,6 +88,9 @@ class Engine:
         self.num_finished = 0
         self.num_preemptions = 0
         self._preempted: dict[str, LiveRequest] = {}  # request id -> its state while it waits to be readmitted
+        # seconds per drafted token and per proposal, as the latest finished request measured them: a new request
+        # starts from them (unknown, its first draft would be priced as free and take the whole limit)
+        self._drafting_costs = (0.0, 0.0)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request, on_tokens: TokenCallback | None = None) -> None:
@@ -363,7 +366,9 @@ class Engine:
             live.clear_draft()
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
-            live = LiveRequest(req, drafter, AcceptanceEstimator(), gen, cb, tree_now=self.config.draft_tree is True,
+            per_token, per_proposal = self._drafting_costs
+            est = AcceptanceEstimator(draft_cost_per_token=per_token, draft_cost_per_proposal=per_proposal)
+            live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
                                one_pass=getattr(drafter, "drafts_in_one_pass", False))
             req.stats.queue_s = time.perf_counter() - req.start_time
@@ -400,6 +405,8 @@ class Engine:
         self.running = still
 
     def _release(self, lv: LiveRequest) -> None:
+        if lv.estimator.draft_cost_per_token > 0:
+            self._drafting_costs = (lv.estimator.draft_cost_per_token, lv.estimator.draft_cost_per_proposal)
         if lv.drafter is not None:
             lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:
