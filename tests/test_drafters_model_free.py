@@ -105,9 +105,9 @@ def test_suffix_extends_periodic_pattern_past_context_end():
 def test_suffix_learns_from_previous_output():
     cache = SuffixCache(small())
     first = SuffixDrafter(cache, prompt_len=2)
-    first.propose([100, 101, 40, 41, 42, 43, 44], 4)
-    first.release()
-    first.release()  # idempotent
+    first.propose([100, 101, 40, 41, 42], 4)
+    first.release([100, 101, 40, 41, 42, 43, 44])  # the finished stream, past the last proposal
+    first.release([100, 101, 40, 41, 42, 43, 44])  # idempotent
     assert len(cache) == 1
     second = SuffixDrafter(cache, prompt_len=3)
     draft = second.propose([200, 201, 40, 41], 4)
@@ -115,13 +115,19 @@ def test_suffix_learns_from_previous_output():
     assert SuffixDrafter(cache, small(max_spec_factor=3.0)).propose([200, 40, 41], 4).tokens == [42, 43, 44]
 
 
-def test_suffix_release_includes_accepted_draft():
+def test_suffix_release_without_the_stream_adds_nothing_to_the_shared_cache():
+    """A request that did not finish with this drafter (preempted: its next drafter hands the whole output on;
+    the drafter failed) leaves the shared cache as it was."""
     cache = SuffixCache(small())
     d = SuffixDrafter(cache, prompt_len=1)
     assert d.propose([9, 1, 2, 3, 1, 2], 1).tokens == [3]
     d.observe(1)
     d.release()
-    assert cache._outputs[0] == [1, 2, 3, 1, 2, 3]
+    assert len(cache) == 0
+    d = SuffixDrafter(cache, prompt_len=1)
+    d.propose([9, 1, 2, 3, 1, 2], 1)
+    d.release([9, 1, 2, 3, 1, 2, 3, 5])
+    assert list(cache._outputs) == [[1, 2, 3, 1, 2, 3, 5]]
 
 
 def test_suffix_respects_k_and_spec_factor():
@@ -245,7 +251,7 @@ def test_factory_builds_model_free_drafters():
     d = sf.new(SamplingParams(), prompt_len=2)
     assert d is not None and d.name == "suffix"
     d.propose([7, 8, 1, 2, 3, 4], 2)
-    d.release()
+    d.release([7, 8, 1, 2, 3, 4])
     d2 = sf.new(SamplingParams(), prompt_len=2)
     assert d2 is not None and d2.propose([5, 6, 1, 2], 2).tokens == [3, 4]
 
@@ -263,7 +269,7 @@ def test_speed_sanity_incremental():
         for t in tokens:
             ctx.append(t)
             hits += len(d.propose(ctx, 5).tokens)
-        d.release()
+        d.release(ctx)
         print(f"{d.name}: {len(tokens)} steps in {time.perf_counter() - t0:.2f}s, {hits} draft tokens")
         assert hits > 2000
     assert len(cache) == 2

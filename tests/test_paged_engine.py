@@ -72,6 +72,18 @@ def test_pool_too_small_for_all_preempts_and_every_output_matches_hf(tiny, metho
     llm.cache.check()
 
 
+def test_a_preempted_request_s_output_reaches_the_suffix_cache_once_and_whole(tiny):
+    """Preemption releases the request's drafter before the request ends; the readmitted request's new drafter
+    hands on the whole output at the end. The shared cache holds each output exactly once (before: the partial
+    output at preemption too, so its tokens were counted twice)."""
+    path, hf = tiny
+    llm = _llm(path, "suffix", max_num_seqs=5, kv_cache_memory_bytes=14 * BLOCK_BYTES)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [_greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert llm.engine.num_preemptions > 0, "the pool was meant to run out"
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    assert sorted(llm.drafters.suffix_cache._outputs) == sorted(o.token_ids for o in outs)
+
+
 def test_preempted_sampled_request_continues_its_own_random_stream(tiny):
     path, _ = tiny
     params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(MAX_TOKENS)]

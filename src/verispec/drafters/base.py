@@ -7,7 +7,8 @@ its own config.
                           pending last token); optional q (the draft distributions the tokens were sampled from)
                           and optional per-position confidences.
   observe(accepted)    -> feedback after verification: how many of the proposed tokens the target accepted.
-  release()            -> once, when the request ends: free per-request resources (KV slots).
+  release(tokens)      -> once, when the request ends (tokens: its whole stream) or leaves the drafter (None):
+                          free per-request resources (KV slots).
 A drafter that never gives confidences says so with `gives_confidence = False` (absent: it may give them); the
 `dspark` policy then drafts, from a request's first step on, only what the online estimate would verify.
 A drafter whose proposal is one pass whatever k (a block drafter) says so with `drafts_in_one_pass = True`
@@ -78,9 +79,11 @@ class Drafter(Protocol):
     def observe(self, accepted: int) -> None: ...
 
     def release(self, tokens: Sequence[int] | None = None) -> None:
-        """Free per-request resources (KV slots); called once when the request ends. `tokens`: its whole stream
-        (prompt and output) when it finished, which may run past the last context proposed for (steps without a
-        draft call no drafter); None when that is not known (preempted, drafter dropped): use what was seen."""
+        """Free per-request resources (KV slots); called once, when the request ends or leaves this drafter.
+        `tokens`: its whole stream (prompt and output) when it finished, which may run past the last context
+        proposed for (steps without a draft call no drafter). None when it did not finish with this drafter
+        (preempted: a new drafter hands the whole stream on later; the drafter failed): add nothing to state
+        shared with other requests."""
         ...
 
 

@@ -184,7 +184,10 @@ class NgramDrafter:
         """Stateless between steps: the accepted tokens arrive with the next context."""
 
     def release(self, tokens: Sequence[int] | None = None) -> None:
-        """Score what the request's final tokens (else the tokens seen) decide of its last drafts, then drop the
-        per-request index."""
-        self.hindsight.score(self._tokens if tokens is None else tokens, final=True)
+        """Score what the request's final tokens decide of its last drafts (None: it did not finish here, so they
+        stay unscored), then drop the per-request index."""
+        if tokens is None:
+            self.hindsight.forget()
+        else:
+            self.hindsight.score(tokens, final=True)
         self._reset()

@@ -295,8 +295,6 @@ class SuffixDrafter:
         self.prompt_len = prompt_len
         self._trie = _Trie(self.config.max_tree_depth)
         self._tokens: list[int] = []
-        self._last: list[int] = []  # the latest draft, and the part of it the target accepted
-        self._accepted: list[int] = []
         self._released = False
 
     def _sync(self, context: Sequence[int]) -> None:
@@ -313,7 +311,6 @@ class SuffixDrafter:
         if self.prompt_len is None:
             self.prompt_len = len(context)
         self._sync(context)
-        self._last, self._accepted = [], []
         tail = self._tokens[-(max(self.config.max_tree_depth, self.cache.config.max_tree_depth) - 1) :]
         best: tuple[_Trie | None, list[int], list[float], list[int]] = (None, [], [], tail)
         if k <= 0 or not self._tokens:
@@ -329,14 +326,12 @@ class SuffixDrafter:
         _, toks, confs, _ = self._best_chain(context, k)
         if not toks:
             return EMPTY
-        self._last = toks
         return Draft(tokens=list(toks), confidence=list(confs))
 
     def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
         """A tree of up to `budget` nodes from the trie whose chain promises more: that chain (`propose`'s walk,
         re-matching at the depth limit), then the trie's most probable other nodes below the match; empty if no
-        match. Which path the target accepts is not reported back, so a tree step leaves nothing for release() to
-        add (its tokens arrive with the next context)."""
+        match."""
         trie, chain, _, tail = self._best_chain(context, depth if budget > 0 else 0)
         if trie is None:
             return TreeDraft((), ())
@@ -344,16 +339,14 @@ class SuffixDrafter:
         return _merge(chain[:budget], toks, parents, budget)
 
     def observe(self, accepted: int) -> None:
-        """Remember the accepted draft tokens, so that release() can include them if no propose follows."""
-        self._accepted = self._last[: max(0, accepted)]
+        """Nothing to do: accepted tokens arrive with the next context, and release() gets the finished stream."""
 
     def release(self, tokens: Sequence[int] | None = None) -> None:
-        """Hand this request's output to the shared cache: `tokens` beyond the prompt, else what was seen (the
-        context beyond the prompt, plus the accepted drafts)."""
+        """Hand this request's output (`tokens` beyond the prompt) to the shared cache; with None (the request did
+        not finish here: a preempted one is handed on whole by its next drafter) add nothing."""
         if self._released:
             return
         self._released = True
-        seen = self._tokens + self._accepted if tokens is None else [int(t) for t in tokens]
-        output = seen[self.prompt_len or 0 :]
-        self.cache.add_output(output)
-        self._trie, self._tokens, self._last, self._accepted = _Trie(self.config.max_tree_depth), [], [], []
+        if tokens is not None:
+            self.cache.add_output([int(t) for t in tokens[self.prompt_len or 0 :]])
+        self._trie, self._tokens = _Trie(self.config.max_tree_depth), []
