@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import statistics
+import random
 from dataclasses import dataclass
 
 import pytest
 
 from verispec.drafters.base import Draft
 from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts, expected_tokens
+from verispec.engine.draft_timing import DraftTiming
 from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy
 
 
@@ -196,7 +198,10 @@ def test_probes_back_off_until_speculation_resumes():
 
 
 def test_drafting_time_is_per_proposed_token_verified_or_not():
+    """...from a request's second proposal on: its first also catches the drafter up on the whole prompt."""
     est = AcceptanceEstimator()
+    est.observe_draft(4, 0.5)
+    assert est.draft_cost_per_token == 0.0 and est.proposals_timed == 1
     est.observe_draft(4, 0.008)  # 4 proposed, whatever was verified of them
     assert est.draft_cost_per_token == pytest.approx(0.002)
     est.observe_draft(2, 0.008)
@@ -217,4 +222,53 @@ def test_probes_of_a_dear_drafter_wait_until_its_drafting_is_a_small_share_of_th
     assert first_due(dear, 0.008) == 69
     assert first_due(cheap, 0.008) == 8
     assert first_due(untimed, 0.008) == 8
-    assert first_due(AcceptanceEstimator(draft_cost_per_proposal=0.011), 0.0) == 8
+    assert first_due(AcceptanceEstimator(timing=DraftTiming(per_proposal=0.011)), 0.0) == 8
+
+
+@pytest.mark.parametrize("a,b", [(1.5e-4, 0.0), (0.0, 2.5e-3), (3e-3, 1e-3)])
+def test_draft_timing_recovers_the_line_of_proposals_that_lie_on_one(a, b):
+    """Proposals of 1..8 tokens timed exactly a + b n (a per-call drafter, an autoregressive head, a mix): the
+    weighted least-squares line is that line whatever the weights, so cost(n) is a + b n; s / n per token is not
+    (it overcharged a per-call drafter's block of 8 by up to 8x)."""
+    rng = random.Random(0)
+    t = DraftTiming()
+    for _ in range(40):
+        n = rng.randint(1, 8)
+        t.observe(n, a + b * n)
+    fa, fb = t.line()
+    assert fa == pytest.approx(a, abs=1e-12) and fb == pytest.approx(b, abs=1e-12)
+    for n in (1, 4, 8, 11):
+        assert t.cost(n) == pytest.approx(a + b * n)
+    assert t.cost(0) == 0.0
+
+
+def test_draft_timing_without_spread_charges_per_token_and_never_below_zero():
+    """One length only: no slope can be fitted, so n tokens cost n x the measured seconds per token (exact at that
+    length); a line whose fit would give a negative per-call time is clamped to the origin (a = 0, b = E[s] / E[n])."""
+    t = DraftTiming()
+    for _ in range(10):
+        t.observe(4, 0.004)
+    assert t.line() == (0.0, pytest.approx(0.001)) and t.cost(4) == pytest.approx(0.004)
+    steep = DraftTiming()
+    for n in (1, 8) * 10:
+        steep.observe(n, 0.0 if n == 1 else 0.016)  # least squares: slope 0.016 / 7 > E[s] / E[n]
+    a, b = steep.line()
+    mn, ms = steep.moments[0], steep.moments[1]
+    assert a == pytest.approx(0.0, abs=1e-15) and b == pytest.approx(ms / mn)
+
+
+def test_a_per_call_drafter_is_charged_its_call_for_a_block_not_its_call_per_token():
+    """A suffix-like drafter: 0.15 ms a call whatever it proposes, proposals of 1-8 tokens seen. Its block of 8 is
+    charged 0.15 ms (before: 8 x its mean seconds per token, several times that); drafting what is admitted, the
+    first position carries the call and the others nothing."""
+    from verispec.engine.scheduler import drafting_costs
+
+    est = AcceptanceEstimator()
+    est.observe_draft(8, 0.01)  # the first proposal: catching up on the prompt, not the rate
+    for n in [1, 2, 8, 1, 3, 8, 2, 1, 5, 8] * 3:
+        est.observe_draft(n, 1.5e-4)
+    cand = Candidate(8, est)
+    assert drafting_costs(cand, whole_blocks=True)[0] == pytest.approx(1.5e-4)
+    assert est.draft_cost_per_token * 8 > 3 * 1.5e-4  # what the block was charged before
+    per_position = drafting_costs(cand, whole_blocks=False)
+    assert per_position[0] == pytest.approx(1.5e-4) and max(per_position[1:]) == pytest.approx(0.0, abs=1e-12)

@@ -116,29 +116,78 @@ def test_the_suffix_cache_gets_every_finished_request_s_whole_output(tiny, refer
     assert (drafted == 0) == (scheduler == "dspark"), f"{drafted} draft tokens under {scheduler}"
 
 
-def test_a_new_request_starts_from_the_drafting_cost_earlier_requests_measured(tiny, monkeypatch):
+def _right_tokens(references):
+    """A proposal of the next k tokens each prompt's greedy output will have (the drafter is never wrong)."""
+    full = {tuple(p): p + r for p, r in zip(PROMPTS, references["llama"])}
+
+    def right(ctx, k):
+        whole = next(w for p, w in full.items() if tuple(ctx[: len(p)]) == p)
+        return list(whole[len(ctx) : len(ctx) + k])
+    return right
+
+
+def test_a_new_request_starts_from_the_drafting_cost_earlier_requests_measured(tiny, references, monkeypatch):
     """A drafter far dearer than a step (20 ms per drafted token against a tiny model's ~1 ms forwards): the first
-    request learns that from its first proposal, and the requests after it start from the measured cost, so they
-    never draft (before, a new request's unknown cost was free: each drafted the whole limit once)."""
+    request learns that from its second proposal (its first is not the rate: see below), and the requests after it
+    start from the measured cost, so they never draft (before, a new request's unknown cost was free: each drafted
+    the whole limit once)."""
     import time
 
     from verispec.drafters.base import Draft
     from verispec.drafters.ngram import NgramDrafter
 
-    calls = []
+    from verispec.engine.costs import CostTable, StepCosts
+
+    calls, right = [], _right_tokens(references)
 
     def dear(self, ctx, k):
         calls.append(len(ctx))
         time.sleep(0.02 * k)
-        return Draft([59] * k)
+        return Draft(right(ctx, k))
 
     monkeypatch.setattr(NgramDrafter, "propose", dear)
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
+    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))  # 1 ms a forward, however many tokens
     for p in PROMPTS[:3]:  # one after the other
         llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                      use_tqdm=False)
-    assert len(calls) == 1 and calls[0] == len(PROMPTS[0]) + 1, calls
+    n = len(PROMPTS[0])
+    assert len(calls) == 2 and calls[0] == n + 1 and n + 1 < calls[1] <= n + 12, calls
+
+
+def test_a_request_s_first_proposal_is_not_taken_as_its_drafter_s_rate(tiny, references, monkeypatch):
+    """A drafter that proposes the right tokens, dear on its first call per request (40 ms: catching up on the
+    prompt, as a suffix trie or a draft model's context does) and cheap after: every request goes on drafting after
+    its first proposal. Before, that first call's time was the estimate, so the first request stopped drafting
+    there and every later one, seeded with it, never drafted at all (suffix on json_records fell to tau 1.0 so)."""
+    import time
+
+    from verispec.drafters.base import Draft
+    from verispec.drafters.ngram import NgramDrafter
+
+    from verispec.engine.costs import CostTable, StepCosts
+
+    instances, right = [], _right_tokens(references)
+
+    def catching_up(self, ctx, k):
+        if not hasattr(self, "calls"):
+            self.calls = 0
+            instances.append(self)
+            time.sleep(0.04)
+        self.calls += 1
+        return Draft(right(ctx, k))
+
+    monkeypatch.setattr(NgramDrafter, "propose", catching_up)
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
+    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))  # 1 ms a forward: drafts pay if cheap
+    long = [(p, want) for p, want in zip(PROMPTS, references["llama"]) if len(want) >= 12]
+    for p, want in long:  # one after the other
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=len(want),
+                                                                     ignore_eos=True), use_tqdm=False)[0]
+        assert out.token_ids == want
+    assert len(instances) == len(long) and all(d.calls > 1 for d in instances), [d.calls for d in instances]
 
 
 def test_drafts_the_policy_never_verifies_still_teach_the_estimate(tiny, references, monkeypatch):

@@ -124,6 +124,7 @@ def test_dspark_drafts_no_more_than_the_estimate_would_verify():
     probing = [Candidate(4, good, confidences=False), Candidate(4, bad, probe=True, confidences=False)]
     assert policy.draft_lengths(probing, 2) == [4, 2]
     timed = AcceptanceEstimator(prior=0.0)
+    timed.observe_draft(4, 9.0)  # a request's first proposal (the drafter catching up on the prompt): not the rate
     timed.observe_draft(4, 0.4)  # 0.1 s per token: a block costs 40% of a 1 s step, far from free
     assert DSparkPolicy(linear).draft_lengths([Candidate(4, timed), Candidate(4, bad, confidences=False)], 2) == [0, 0]
     # one with confidences whose drafting was never timed drafts its block, so that it is timed
@@ -147,6 +148,7 @@ def test_dspark_drafts_a_confident_drafters_block_only_where_the_estimate_admits
         slow.update(drafted=4, accepted=4)
         bad.update(drafted=4, accepted=0)
     for e in (good, bad):
+        e.observe_draft(4, 9.0)  # the first proposal catches up on the prompt: not taken as the rate
         e.observe_draft(4, 0.04)  # timed: 0.01 s per token, a block 4% of a step (two blocks: more than 5%)
     policy = DSparkPolicy(costs)
     assert policy.draft_lengths([Candidate(4, good), Candidate(4, bad)], 2) == [4, 0]
@@ -248,6 +250,7 @@ def test_a_block_drafter_is_charged_its_pass_on_the_first_position():
     from verispec.engine.scheduler import drafting_costs
 
     est = AcceptanceEstimator()
+    est.observe_draft(7, 9.0)  # the first proposal (catching up on the prompt) is not the rate
     est.observe_draft(7, 0.7)
     est.observe_draft(1, 0.7)
     assert est.draft_cost_per_proposal == pytest.approx(0.7)

@@ -27,6 +27,7 @@ from verispec.drafters.base import Drafter, needs_features
 from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
+from verispec.engine.draft_timing import DraftTiming
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
@@ -88,9 +89,9 @@ class Engine:
         self.num_finished = 0
         self.num_preemptions = 0
         self._preempted: dict[str, LiveRequest] = {}  # request id -> its state while it waits to be readmitted
-        # seconds per drafted token and per proposal, as the latest finished request measured them: a new request
-        # starts from them (unknown, its first draft would be priced as free and take the whole limit)
-        self._drafting_costs = (0.0, 0.0)
+        # the drafter's time per proposal as the latest request to measure it left it: a new request starts from
+        # it (unknown, its first draft would be priced as free and take the whole limit)
+        self._draft_timing = DraftTiming()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request, on_tokens: TokenCallback | None = None) -> None:
@@ -363,11 +364,11 @@ class Engine:
         live = self._preempted.pop(req.request_id, None)
         if live is not None:
             live.drafter = drafter
+            live.estimator.proposals_timed = 0  # the new drafter's first proposal catches up on everything again
             live.clear_draft()
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
-            per_token, per_proposal = self._drafting_costs
-            est = AcceptanceEstimator(draft_cost_per_token=per_token, draft_cost_per_proposal=per_proposal)
+            est = AcceptanceEstimator(timing=self._draft_timing.copy())
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
                                one_pass=getattr(drafter, "drafts_in_one_pass", False))
@@ -405,8 +406,8 @@ class Engine:
         self.running = still
 
     def _release(self, lv: LiveRequest) -> None:
-        if lv.estimator.draft_cost_per_token > 0:
-            self._drafting_costs = (lv.estimator.draft_cost_per_token, lv.estimator.draft_cost_per_proposal)
+        if lv.estimator.proposals_timed >= 2:  # its own measurement (its first proposal is not one)
+            self._draft_timing = lv.estimator.timing.copy()
         if lv.drafter is not None:
             lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:

@@ -16,6 +16,8 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
+from verispec.engine.draft_timing import DraftTiming
+
 
 @dataclass(frozen=True)
 class CostTable:
@@ -205,8 +207,9 @@ class AcceptanceEstimator:
     # probes of a drafter whose proposal is dear come no more often than its drafting time stays within this share of
     # the plain steps between them (a DFlash pass: ~11 ms against an 8 ms step, every 69 steps at most)
     probe_share: float = 0.02
-    draft_cost_per_token: float = 0.0  # seconds, measured online
-    draft_cost_per_proposal: float = 0.0  # seconds per drafter call with tokens, measured online
+    # the drafter's measured time per proposal (the engine seeds it with an earlier request's measurement)
+    timing: DraftTiming = field(default_factory=DraftTiming)
+    proposals_timed: int = field(default=0, init=False)  # proposals with tokens this request has made
     accept_rate: float = field(init=False)
     pos_rates: list[float] = field(default_factory=list, init=False)
     _plain_steps: int = field(default=0, init=False)
@@ -244,13 +247,38 @@ class AcceptanceEstimator:
 
     def observe_draft(self, tokens: int, draft_s: float) -> None:
         """The drafter proposed `tokens` tokens in `draft_s` seconds (verified or not): its cost per drafted token
-        and per proposal (what a block drafter's one pass costs, however many of its tokens were asked for)."""
+        and per proposal (what a block drafter's one pass costs, however many of its tokens were asked for).
+        A request's first proposal is not taken as the rate: it also catches the drafter up on the whole prompt (a
+        suffix trie, an n-gram index, a draft model's or DFlash's context K/V), a one-off many times a proposal's
+        cost that, averaged in, held speculation off for the request and, seeded into the next, for good."""
         if tokens <= 0:
             return
-        per_tok = draft_s / tokens
-        old, old_call = self.draft_cost_per_token, self.draft_cost_per_proposal
-        self.draft_cost_per_token = 0.8 * old + 0.2 * per_tok if old else per_tok
-        self.draft_cost_per_proposal = 0.8 * old_call + 0.2 * draft_s if old_call else draft_s
+        self.proposals_timed += 1
+        if self.proposals_timed > 1:
+            self.timing.observe(tokens, draft_s)
+
+    @property
+    def draft_cost_per_token(self) -> float:
+        """Seconds per drafted token (EMA of a proposal's time over its tokens); 0 while never measured."""
+        return self.timing.per_token
+
+    @draft_cost_per_token.setter
+    def draft_cost_per_token(self, seconds: float) -> None:
+        """A cost given, not measured: n tokens cost n x `seconds` (the fitted line is dropped)."""
+        self.timing.per_token, self.timing.moments = seconds, None
+
+    @property
+    def draft_cost_per_proposal(self) -> float:
+        """Seconds per proposal (EMA), what a block drafter's one pass costs however many tokens were asked for."""
+        return self.timing.per_proposal
+
+    @draft_cost_per_proposal.setter
+    def draft_cost_per_proposal(self, seconds: float) -> None:
+        self.timing.per_proposal = seconds
+
+    def draft_cost(self, tokens: int) -> float:
+        """Seconds to draft `tokens` tokens in one proposal (`DraftTiming.cost`)."""
+        return self.timing.cost(tokens)
 
     def update(self, drafted: int, accepted: int) -> None:
         """`drafted` draft tokens were verified and `accepted` of them accepted (drafting time comes separately,
@@ -281,10 +309,11 @@ def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, s
 
     Both shapes put k draft rows into the same forward, so verification costs the same (`step_s`, the step's
     time). They differ in the tokens a step is expected to commit, 1 + sum over depths j <= k of P(depth j is
-    reached) (each shape's own online estimate, `position_survival`), and in drafting time, k x each shape's
-    measured seconds per drafted token. The shape with more committed tokens per second wins; a tie keeps the chain.
+    reached) (each shape's own online estimate, `position_survival`), and in drafting time, what each shape's
+    measured proposals say k tokens cost. The shape with more committed tokens per second wins; a tie keeps the
+    chain.
     """
     def rate(e: AcceptanceEstimator) -> float:
-        return (1 + sum(e.position_survival(k))) / (step_s + k * e.draft_cost_per_token)
+        return (1 + sum(e.position_survival(k))) / (step_s + e.draft_cost(k))
 
     return rate(tree) > rate(chain)

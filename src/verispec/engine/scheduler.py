@@ -115,14 +115,15 @@ def admit_prefixes(
 def drafting_costs(c: Candidate, whole_blocks: bool) -> list[float]:
     """[c.limit] seconds that admitting each draft position of `c` adds in drafting. A drafter that drafts in one
     pass (a block drafter: its measured seconds per proposal) and, with `whole_blocks`, a drafter with confidences
-    (it drafts its whole block once any of it is admitted; the confidences then decide what is verified: limit x its
-    seconds per token) cost that block on the first admitted position and nothing after; any other drafter drafts
-    what is admitted, at its measured seconds per token."""
-    per_token = c.estimator.draft_cost_per_token
+    (it drafts its whole block once any of it is admitted; the confidences then decide what is verified: what a
+    proposal of `limit` tokens costs) cost that block on the first admitted position and nothing after; any other
+    drafter drafts what is admitted: position j adds cost(j) - cost(j - 1) (its per-call time on the first)."""
+    est = c.estimator
     if c.limit and (c.one_pass or (whole_blocks and c.confidences)):
-        block = c.estimator.draft_cost_per_proposal if c.one_pass else c.limit * per_token
+        block = est.draft_cost_per_proposal if c.one_pass else est.draft_cost(c.limit)
         return [block] + [0.0] * (c.limit - 1)
-    return [per_token] * c.limit
+    cum = [est.draft_cost(j) for j in range(c.limit + 1)]
+    return [cum[j + 1] - cum[j] for j in range(c.limit)]
 
 
 RISK_MARGIN = 0.5  # how much more than its measured cost a draft must be expected to return (see admit_prefixes)
