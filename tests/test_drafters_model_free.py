@@ -238,6 +238,43 @@ def test_suffix_tries_count_every_substring():
         assert counts == want
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_request_trie_token_by_token_counts_every_substring_and_knows_the_most_frequent_next(seed):
+    """The per-request trie, extended one token at a time (lazy leaves for strings seen once), checked after every
+    token against counting by hand: every substring of length <= depth and its count; at every node that is not a
+    lazy leaf, `total` = its occurrences followed by a next token (strings of length < depth), and `best` = the most
+    frequent next token, ties to the one seen last (what the eager trie held)."""
+    from verispec.drafters.suffix import _Trie
+
+    rng = random.Random(seed)
+    depth, alphabet = rng.randint(2, 6), rng.randint(1, 4)
+    toks = [rng.randrange(alphabet) for _ in range(rng.randint(1, 70))]
+    trie = _Trie(depth)
+    for i, x in enumerate(toks):
+        trie.extend(x)
+        seen = toks[: i + 1]
+        want: dict[tuple, int] = {}
+        last: dict[tuple, int] = {}
+        for n in range(1, depth + 1):
+            for j in range(len(seen) - n + 1):
+                sub = tuple(seen[j : j + n])
+                want[sub] = want.get(sub, 0) + 1
+                last[sub] = j
+        assert dump(trie.root, depth) == want
+
+        def check(node, prefix):
+            if node.seq is not None:
+                return
+            if len(prefix) < depth:
+                nexts = {s[-1]: c for s, c in want.items() if len(s) == len(prefix) + 1 and s[:-1] == prefix}
+                assert node.total == sum(nexts.values()), prefix
+                if nexts:
+                    assert node.best_child() == max(nexts, key=lambda y: (nexts[y], last[prefix + (y,)])), prefix
+            for t, ch in (node.children or {}).items():
+                check(ch, prefix + (t,))
+        check(trie.root, ())
+
+
 def test_factory_builds_model_free_drafters():
     from verispec.config import SpeculativeConfig
     from verispec.drafters import DrafterFactory

@@ -83,15 +83,58 @@ class _Trie:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.root = _Node()
-        self.active: list[_Node] = [self.root]  # for extend(): nodes of the current tail's suffixes, by length
+        self.tokens: list[int] = []  # extend()'s growing sequence
+        self.active: list[_Cursor] = [(self.root, 0)]  # for extend(): cursors of the sequence's suffixes, by length
 
     def extend(self, x: int) -> None:
-        """Append x to the one growing sequence: count every suffix ending at x (no lazy leaves)."""
-        nxt = [self.root]
-        for node in self.active:
-            child = node.bump(x)
-            if len(nxt) < self.depth:
-                nxt.append(child)
+        """Append x to `tokens`, the one growing sequence, counting every suffix that ends at x. A string seen once
+        is a lazy leaf into `tokens` (as in `add`), so a token costs a node only per suffix that occurred before,
+        not one per suffix up to the depth (most of a suffix proposal's time went there).
+
+        `active[i]` is the cursor of the sequence's suffix of length i (i < depth). A cursor inside a lazy leaf is
+        that leaf's one occurrence, the current one: the appended token continues it, nothing to count. A child
+        that is a lazy leaf and is reached again (its second occurrence) is materialised one level, its first
+        occurrence's next token becoming a lazy leaf below it; a longer cursor of this step still inside that leaf
+        then moves down to it."""
+        toks = self.tokens
+        toks.append(x)
+        end = len(toks)
+        nxt: list[_Cursor] = [(self.root, 0)]
+        room = self.depth - 1  # cursors kept for the next token (the root's makes depth)
+        for length, (node, extra) in enumerate(self.active):
+            if extra and node.seq is None:  # materialised earlier in this step: move down to its one child
+                assert node.children is not None and len(node.children) == 1
+                while extra and node.seq is None:
+                    (node,) = node.children.values()  # type: ignore[union-attr]
+                    extra -= 1
+            if node.seq is not None:  # the current occurrence's lazy leaf: x is its next token already
+                if room:
+                    nxt.append((node, extra + 1))
+                    room -= 1
+                continue
+            ch = node.children
+            if ch is None:
+                ch = node.children = {}
+            child = ch.get(x)
+            if child is None:
+                child = ch[x] = _Node()
+                child.seq, child.pos = toks, end
+            elif child.seq is not None:  # its second occurrence: the first one's next token, one level down
+                q = child.pos
+                child.seq = None
+                # (not where that next token is x itself: the first occurrence ended just before it, and the
+                # cursor one longer, further on in this loop, counts that string as this step's)
+                if length + 2 <= self.depth and q < end - 1:
+                    leaf = child.bump(toks[q])
+                    leaf.seq, leaf.pos = toks, q + 1
+            child.count += 1
+            node.total += 1
+            b = node.best
+            if (b is None and len(ch) == 1) or (b is not None and b != x and child.count >= ch[b].count):
+                node.best = x  # as bump: ties go to the most recent
+            if room:
+                nxt.append((child, 0))
+                room -= 1
         self.active = nxt
 
     def add(self, toks: list[int]) -> None:
@@ -294,16 +337,16 @@ class SuffixDrafter:
         self.config = config or cache.config
         self.prompt_len = prompt_len
         self._trie = _Trie(self.config.max_tree_depth)
-        self._tokens: list[int] = []
+        self._tokens = self._trie.tokens  # the context seen so far (extend() appends)
         self._released = False
 
     def _sync(self, context: Sequence[int]) -> None:
         n = len(self._tokens)
         if len(context) < n or (n and int(context[n - 1]) != self._tokens[-1]):
-            self._trie, self._tokens, n = _Trie(self.config.max_tree_depth), [], 0  # not an extension: rebuild
+            self._trie, n = _Trie(self.config.max_tree_depth), 0  # not an extension: rebuild
+            self._tokens = self._trie.tokens
         for t in context[n:]:
-            self._tokens.append(int(t))
-            self._trie.extend(self._tokens[-1])
+            self._trie.extend(int(t))
 
     def _best_chain(self, context: Sequence[int], k: int) -> tuple[_Trie | None, list[int], list[float], list[int]]:
         """Sync with `context`, then the chain of up to k tokens from whichever trie (this request's, the shared
@@ -349,4 +392,5 @@ class SuffixDrafter:
         self._released = True
         if tokens is not None:
             self.cache.add_output([int(t) for t in tokens[self.prompt_len or 0 :]])
-        self._trie, self._tokens = _Trie(self.config.max_tree_depth), []
+        self._trie = _Trie(self.config.max_tree_depth)
+        self._tokens = self._trie.tokens
