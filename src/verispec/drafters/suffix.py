@@ -112,26 +112,19 @@ class _Trie:
                     nxt.append((node, extra + 1))
                     room -= 1
                 continue
-            ch = node.children
-            if ch is None:
-                ch = node.children = {}
-            child = ch.get(x)
-            if child is None:
-                child = ch[x] = _Node()
-                child.seq, child.pos = toks, end
-            elif child.seq is not None:  # its second occurrence: the first one's next token, one level down
+            child = node.children.get(x) if node.children else None
+            if child is not None and child.seq is not None:
+                # its second occurrence: the first one's next token goes one level down, unless that token is x
+                # itself (the first occurrence ended just before it: the cursor one longer, further on in this
+                # loop, counts that string as this step's)
                 q = child.pos
                 child.seq = None
-                # (not where that next token is x itself: the first occurrence ended just before it, and the
-                # cursor one longer, further on in this loop, counts that string as this step's)
                 if length + 2 <= self.depth and q < end - 1:
                     leaf = child.bump(toks[q])
                     leaf.seq, leaf.pos = toks, q + 1
-            child.count += 1
-            node.total += 1
-            b = node.best
-            if (b is None and len(ch) == 1) or (b is not None and b != x and child.count >= ch[b].count):
-                node.best = x  # as bump: ties go to the most recent
+            child = node.bump(x)
+            if child.count == 1:  # seen once: a lazy leaf
+                child.seq, child.pos = toks, end
             if room:
                 nxt.append((child, 0))
                 room -= 1
