@@ -272,3 +272,30 @@ def test_a_per_call_drafter_is_charged_its_call_for_a_block_not_its_call_per_tok
     assert est.draft_cost_per_token * 8 > 3 * 1.5e-4  # what the block was charged before
     per_position = drafting_costs(cand, whole_blocks=False)
     assert per_position[0] == pytest.approx(1.5e-4) and max(per_position[1:]) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_pause_counts_for_a_bounded_spike_and_a_real_slowdown_is_followed():
+    """Steady proposals of 4 tokens at 4 ms, then one that took 400 ms (a pause, not drafting): it counts as
+    SPIKE x 4 ms, so the estimate moves to 0.8 x 4 + 0.2 x 16 = 6.4 ms and not to 83 ms (which priced drafting out
+    for good: no draft, no probe, nothing to measure again). Proposals that really take 3x as long (within the
+    bound) move it there."""
+    from verispec.engine.draft_timing import SPIKE
+
+    t = DraftTiming()
+    for _ in range(10):
+        t.observe(4, 0.004)
+    t.observe(4, 0.4)
+    assert t.cost(4) == pytest.approx(0.8 * 0.004 + 0.2 * SPIKE * 0.004)
+    for _ in range(30):
+        t.observe(4, 0.012)
+    assert t.cost(4) == pytest.approx(0.012, rel=1e-3)
+
+
+def test_a_decayed_estimate_prices_every_length_by_the_factor():
+    t = DraftTiming()
+    for n, s in [(1, 0.002), (3, 0.004), (8, 0.0095), (2, 0.003), (5, 0.0065)]:
+        t.observe(n, s)
+    d = t.decayed(0.5)
+    for n in (1, 2, 4, 8, 16):
+        assert d.cost(n) == pytest.approx(0.5 * t.cost(n))
+    assert d.per_proposal == pytest.approx(0.5 * t.per_proposal) and t.cost(4) > 0  # t itself unchanged

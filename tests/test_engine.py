@@ -190,6 +190,67 @@ def test_a_request_s_first_proposal_is_not_taken_as_its_drafter_s_rate(tiny, ref
     assert len(instances) == len(long) and all(d.calls > 1 for d in instances), [d.calls for d in instances]
 
 
+def test_one_pause_in_a_proposal_does_not_price_drafting_out_for_the_engine(tiny, references, monkeypatch):
+    """A cheap drafter that proposes the right tokens, one of whose calls is caught by a 300 ms pause (a garbage
+    collection, the machine busy): every request, the first included, keeps drafting. Before, that one time
+    averaged in made drafting dearer than any step and put the next probe thousands of steps away, and every
+    later request, seeded with it, never drafted."""
+    import time
+
+    from verispec.drafters.base import Draft
+    from verispec.drafters.ngram import NgramDrafter
+    from verispec.engine.costs import CostTable, StepCosts
+
+    instances, right, calls = [], _right_tokens(references), [0]
+
+    def paused_once(self, ctx, k):
+        if not hasattr(self, "calls"):
+            self.calls = 0
+            instances.append(self)
+        self.calls += 1
+        calls[0] += 1
+        if calls[0] == 3:  # the first request's third proposal: its second timed one
+            time.sleep(0.3)
+        return Draft(right(ctx, k))
+
+    monkeypatch.setattr(NgramDrafter, "propose", paused_once)
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
+    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))  # 1 ms a forward, however many tokens
+    long = [(p, want) for p, want in zip(PROMPTS, references["llama"]) if len(want) >= 12]
+    for p, want in long:  # one after the other
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=len(want),
+                                                                     ignore_eos=True), use_tqdm=False)[0]
+        assert out.token_ids == want
+    assert len(instances) == len(long) and all(d.calls > 1 for d in instances), [d.calls for d in instances]
+
+
+def test_a_stale_dear_estimate_lets_the_drafter_be_timed_again(tiny, references, monkeypatch):
+    """The engine starts from an estimate far dearer than the drafter now is (measured on a busy machine: 20 ms a
+    proposal against 1 ms steps), so nothing is drafted; each request that measured nothing leaves it a fifth
+    lower, until a probe or a draft times the drafter again (about 10 us), and from then on it drafts. Before, a
+    stale estimate stood for good."""
+    from verispec.drafters.base import Draft
+    from verispec.drafters.ngram import NgramDrafter
+    from verispec.engine.costs import CostTable, StepCosts
+    from verispec.engine.draft_timing import DraftTiming
+
+    right, drafted = _right_tokens(references), []
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, ctx, k: Draft(right(ctx, k)))
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
+    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))
+    llm.engine._draft_timing = DraftTiming(per_token=0.005, per_proposal=0.02)
+    p, want = PROMPTS[0], references["llama"][0]
+    for _ in range(40):
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=len(want),
+                                                                     ignore_eos=True), use_tqdm=False)[0]
+        assert out.token_ids == want
+        drafted.append(out.stats["num_draft_tokens"])
+    assert drafted[0] == 0, drafted  # the stale estimate held it off at first
+    assert drafted[-1] > len(want) // 2 and llm.engine._draft_timing.per_proposal < 1e-3, drafted
+
+
 def test_drafts_the_policy_never_verifies_still_teach_the_estimate(tiny, references, monkeypatch):
     """A drafter whose proposals the policy cuts to nothing every step (as DSpark's own low confidences do) and
     whose first token is never the target's: the estimate learns that from the committed tokens, so the drafter

@@ -408,6 +408,8 @@ class Engine:
     def _release(self, lv: LiveRequest) -> None:
         if lv.estimator.proposals_timed >= 2:  # its own measurement (its first proposal is not one)
             self._draft_timing = lv.estimator.timing.copy()
+        elif lv.drafter is not None:  # measured nothing: the estimate it started from was not confirmed
+            self._draft_timing = self._draft_timing.decayed()
         if lv.drafter is not None:
             lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:

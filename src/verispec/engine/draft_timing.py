@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 MIN_SPREAD = 0.5  # variance of the proposals' lengths (tokens^2) below which no slope is fitted
+SPIKE = 4.0  # a proposal counts for at most this many times what the estimate says it costs
+IDLE_DECAY = 0.8  # what a request that measured nothing leaves of the estimate it started from
 
 
 @dataclass
@@ -31,8 +33,12 @@ class DraftTiming:
         assert self.per_token >= 0 and self.per_proposal >= 0 and 0 < self.weight <= 1, self
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """One proposal of `tokens` (> 0) tokens took `seconds`."""
+        """One proposal of `tokens` (> 0) tokens took `seconds`, counted as at most SPIKE x the larger of the
+        estimate's cost for it and the mean proposal's: a pause that has nothing to do with drafting (a garbage collection in a drafter that allocates,
+        the machine busy) would otherwise price drafting out, and with it the probes that could measure again."""
         assert tokens > 0 and seconds >= 0, (tokens, seconds)
+        if self.per_token > 0:
+            seconds = min(seconds, SPIKE * max(self.cost(tokens), self.per_proposal))
         w = self.weight
         per_tok = seconds / tokens
         self.per_token = (1 - w) * self.per_token + w * per_tok if self.per_token else per_tok
@@ -62,3 +68,10 @@ class DraftTiming:
 
     def copy(self) -> "DraftTiming":
         return replace(self)
+
+    def decayed(self, factor: float = IDLE_DECAY) -> "DraftTiming":
+        """Every time scaled by `factor`: an estimate nothing measured for a while counts for less, so that one
+        that has grown stale and dear (measured on a busy machine) lets the drafter be tried and timed again."""
+        m = self.moments
+        return replace(self, per_token=self.per_token * factor, per_proposal=self.per_proposal * factor,
+                       moments=None if m is None else (m[0], m[1] * factor, m[2], m[3] * factor))
