@@ -149,7 +149,7 @@ def test_dspark_drafts_a_confident_drafters_block_only_where_the_estimate_admits
         bad.update(drafted=4, accepted=0)
     for e in (good, bad):
         e.observe_draft(4, 9.0)  # the first proposal catches up on the prompt: not taken as the rate
-        e.observe_draft(4, 0.04)  # timed: 0.01 s per token, a block 4% of a step (two blocks: more than 5%)
+        e.observe_draft(4, 0.08)  # timed: 0.02 s per token, a block 8% of a step (two blocks: more than 10%)
     policy = DSparkPolicy(costs)
     assert policy.draft_lengths([Candidate(4, good), Candidate(4, bad)], 2) == [4, 0]
     assert policy.draft_lengths([Candidate(4, bad, probe=True)], 1) == [4]

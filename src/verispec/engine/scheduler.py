@@ -211,7 +211,9 @@ class GoodputPolicy(_CostAware):
         return admit_prefixes(survivals, self.costs, base_tokens, extra, margin=self.margin)
 
 
-FREE_DRAFT_SHARE = 0.05  # a draft block costing at most this share of the step is drafted whatever the estimate
+# a draft block costing at most this share of the step is drafted whatever the estimate (10%: a suffix proposal,
+# 0.06-0.3 ms against 4.5 ms steps, fell on both sides of 5%, and at 5% suffix was 0-4% slower on every workload)
+FREE_DRAFT_SHARE = 0.10
 
 
 class DSparkPolicy(_CostAware):
