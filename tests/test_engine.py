@@ -126,6 +126,45 @@ def _right_tokens(references):
     return right
 
 
+def _goodput_on_1ms_steps(tiny) -> LLM:
+    """One request at a time under goodput, its cost table 1 ms a forward however many tokens: a draft pays where
+    drafting it is cheap."""
+    from verispec.engine.costs import CostTable, StepCosts
+
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
+    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))
+    return llm
+
+
+def _drafter_calls_per_request(tiny, references, monkeypatch, pause) -> list[int]:
+    """The prompts with 12 or more reference tokens, one request after the other, drafted by a drafter that
+    proposes the right tokens after sleeping pause(its call in this request, its call overall) seconds; every
+    output checked. Returns how many times each request called its drafter."""
+    import time
+
+    from verispec.drafters.base import Draft
+    from verispec.drafters.ngram import NgramDrafter
+
+    right, counts, total = _right_tokens(references), [], [0]
+
+    def propose(self, ctx, k):
+        counts[-1] += 1
+        total[0] += 1
+        time.sleep(pause(counts[-1], total[0]))
+        return Draft(right(ctx, k))
+
+    monkeypatch.setattr(NgramDrafter, "propose", propose)
+    llm = _goodput_on_1ms_steps(tiny)
+    for p, want in zip(PROMPTS, references["llama"]):
+        if len(want) >= 12:
+            counts.append(0)
+            out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=len(want),
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+            assert out.token_ids == want
+    return counts
+
+
 def test_a_new_request_starts_from_the_drafting_cost_earlier_requests_measured(tiny, references, monkeypatch):
     """A drafter far dearer than a step (20 ms per drafted token against a tiny model's ~1 ms forwards): the first
     request learns that from its second proposal (its first is not the rate: see below), and the requests after it
@@ -136,8 +175,6 @@ def test_a_new_request_starts_from_the_drafting_cost_earlier_requests_measured(t
     from verispec.drafters.base import Draft
     from verispec.drafters.ngram import NgramDrafter
 
-    from verispec.engine.costs import CostTable, StepCosts
-
     calls, right = [], _right_tokens(references)
 
     def dear(self, ctx, k):
@@ -146,9 +183,7 @@ def test_a_new_request_starts_from_the_drafting_cost_earlier_requests_measured(t
         return Draft(right(ctx, k))
 
     monkeypatch.setattr(NgramDrafter, "propose", dear)
-    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
-    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))  # 1 ms a forward, however many tokens
+    llm = _goodput_on_1ms_steps(tiny)
     for p in PROMPTS[:3]:  # one after the other
         llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                      use_tqdm=False)
@@ -161,33 +196,8 @@ def test_a_request_s_first_proposal_is_not_taken_as_its_drafter_s_rate(tiny, ref
     prompt, as a suffix trie or a draft model's context does) and cheap after: every request goes on drafting after
     its first proposal. Before, that first call's time was the estimate, so the first request stopped drafting
     there and every later one, seeded with it, never drafted at all (suffix on json_records fell to tau 1.0 so)."""
-    import time
-
-    from verispec.drafters.base import Draft
-    from verispec.drafters.ngram import NgramDrafter
-
-    from verispec.engine.costs import CostTable, StepCosts
-
-    instances, right = [], _right_tokens(references)
-
-    def catching_up(self, ctx, k):
-        if not hasattr(self, "calls"):
-            self.calls = 0
-            instances.append(self)
-            time.sleep(0.04)
-        self.calls += 1
-        return Draft(right(ctx, k))
-
-    monkeypatch.setattr(NgramDrafter, "propose", catching_up)
-    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
-    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))  # 1 ms a forward: drafts pay if cheap
-    long = [(p, want) for p, want in zip(PROMPTS, references["llama"]) if len(want) >= 12]
-    for p, want in long:  # one after the other
-        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=len(want),
-                                                                     ignore_eos=True), use_tqdm=False)[0]
-        assert out.token_ids == want
-    assert len(instances) == len(long) and all(d.calls > 1 for d in instances), [d.calls for d in instances]
+    counts = _drafter_calls_per_request(tiny, references, monkeypatch, lambda own, _: 0.04 if own == 1 else 0.0)
+    assert all(c > 1 for c in counts), counts
 
 
 def test_one_pause_in_a_proposal_does_not_price_drafting_out_for_the_engine(tiny, references, monkeypatch):
@@ -195,34 +205,9 @@ def test_one_pause_in_a_proposal_does_not_price_drafting_out_for_the_engine(tiny
     collection, the machine busy): every request, the first included, keeps drafting. Before, that one time
     averaged in made drafting dearer than any step and put the next probe thousands of steps away, and every
     later request, seeded with it, never drafted."""
-    import time
-
-    from verispec.drafters.base import Draft
-    from verispec.drafters.ngram import NgramDrafter
-    from verispec.engine.costs import CostTable, StepCosts
-
-    instances, right, calls = [], _right_tokens(references), [0]
-
-    def paused_once(self, ctx, k):
-        if not hasattr(self, "calls"):
-            self.calls = 0
-            instances.append(self)
-        self.calls += 1
-        calls[0] += 1
-        if calls[0] == 3:  # the first request's third proposal: its second timed one
-            time.sleep(0.3)
-        return Draft(right(ctx, k))
-
-    monkeypatch.setattr(NgramDrafter, "propose", paused_once)
-    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
-    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))  # 1 ms a forward, however many tokens
-    long = [(p, want) for p, want in zip(PROMPTS, references["llama"]) if len(want) >= 12]
-    for p, want in long:  # one after the other
-        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=len(want),
-                                                                     ignore_eos=True), use_tqdm=False)[0]
-        assert out.token_ids == want
-    assert len(instances) == len(long) and all(d.calls > 1 for d in instances), [d.calls for d in instances]
+    # the first request's third proposal: its second timed one
+    counts = _drafter_calls_per_request(tiny, references, monkeypatch, lambda _, call: 0.3 if call == 3 else 0.0)
+    assert all(c > 1 for c in counts), counts
 
 
 def test_a_stale_dear_estimate_lets_the_drafter_be_timed_again(tiny, references, monkeypatch):
@@ -232,14 +217,11 @@ def test_a_stale_dear_estimate_lets_the_drafter_be_timed_again(tiny, references,
     stale estimate stood for good."""
     from verispec.drafters.base import Draft
     from verispec.drafters.ngram import NgramDrafter
-    from verispec.engine.costs import CostTable, StepCosts
     from verispec.engine.draft_timing import DraftTiming
 
     right, drafted = _right_tokens(references), []
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, ctx, k: Draft(right(ctx, k)))
-    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, scheduler="goodput")
-    llm.engine.policy.costs = StepCosts(CostTable((1, 64), (1e-3, 1e-3)))
+    llm = _goodput_on_1ms_steps(tiny)
     llm.engine._draft_timing = DraftTiming(per_token=0.005, per_proposal=0.02)
     p, want = PROMPTS[0], references["llama"][0]
     for _ in range(40):
