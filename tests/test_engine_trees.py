@@ -152,3 +152,23 @@ def test_prefer_tree_is_committed_tokens_per_second():
     assert rate(0.7, 0.004) < rate(0.5, 0.001) and not prefer_tree(chain, dear_tree, 4, 0.010)
     assert rate(0.7, 0.004, step=0.100) > rate(0.5, 0.001, step=0.100) and prefer_tree(chain, dear_tree, 4, 0.100)
     assert not prefer_tree(chain, est(0.5, 0.001), 4, 0.010)  # a tie keeps the chain
+
+
+def test_the_tree_estimate_starts_from_the_drafting_time_chains_measured():
+    """"draft_tree": "auto" keeps a second estimate for trees. It starts from what the request's chain proposals
+    measured, not from an unknown time priced as free: a drafter dear against the step (4 ms a token, 10 ms steps)
+    is not sent to trees on its first choice by a price of zero (at equal acceptance a tie keeps the chain)."""
+    from verispec import SamplingParams
+    from verispec.engine.costs import AcceptanceEstimator
+    from verispec.engine.plan import LiveRequest
+    from verispec.state.request import Request
+
+    chain = AcceptanceEstimator()
+    chain.observe_draft(4, 0.5)  # catching up on the prompt: not the rate
+    for _ in range(5):
+        chain.observe_draft(4, 0.016)
+    lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=8)), None, chain, None, None)
+    lv.choose_shape(4, 0.010)
+    assert lv.tree_estimator is not None and lv.tree_estimator is not chain
+    assert lv.tree_estimator.draft_cost(4) == pytest.approx(chain.draft_cost(4)) == pytest.approx(0.016)
+    assert lv.tree_now is False
