@@ -330,14 +330,17 @@ class SuffixDrafter:
         self.config = config or cache.config
         self.prompt_len = prompt_len
         self._trie = _Trie(self.config.max_tree_depth)
-        self._tokens = self._trie.tokens  # the context seen so far (extend() appends)
         self._released = False
+
+    @property
+    def _tokens(self) -> list[int]:
+        """The context seen so far (the request trie's sequence)."""
+        return self._trie.tokens
 
     def _sync(self, context: Sequence[int]) -> None:
         n = len(self._tokens)
         if len(context) < n or (n and int(context[n - 1]) != self._tokens[-1]):
             self._trie, n = _Trie(self.config.max_tree_depth), 0  # not an extension: rebuild
-            self._tokens = self._trie.tokens
         for t in context[n:]:
             self._trie.extend(int(t))
 
@@ -386,4 +389,3 @@ class SuffixDrafter:
         if tokens is not None:
             self.cache.add_output([int(t) for t in tokens[self.prompt_len or 0 :]])
         self._trie = _Trie(self.config.max_tree_depth)
-        self._tokens = self._trie.tokens

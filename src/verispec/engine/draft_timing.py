@@ -34,8 +34,9 @@ class DraftTiming:
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One proposal of `tokens` (> 0) tokens took `seconds`, counted as at most SPIKE x the larger of the
-        estimate's cost for it and the mean proposal's: a pause that has nothing to do with drafting (a garbage collection in a drafter that allocates,
-        the machine busy) would otherwise price drafting out, and with it the probes that could measure again."""
+        estimate's cost for it and the mean proposal's: a pause that has nothing to do with drafting (a garbage
+        collection in a drafter that allocates, the machine busy) would otherwise price drafting out, and with it
+        the probes that could measure again."""
         assert tokens > 0 and seconds >= 0, (tokens, seconds)
         if self.per_token > 0:
             seconds = min(seconds, SPIKE * max(self.cost(tokens), self.per_proposal))

@@ -122,8 +122,8 @@ def drafting_costs(c: Candidate, whole_blocks: bool) -> list[float]:
     if c.limit and (c.one_pass or (whole_blocks and c.confidences)):
         block = est.draft_cost_per_proposal if c.one_pass else est.draft_cost(c.limit)
         return [block] + [0.0] * (c.limit - 1)
-    cum = [est.draft_cost(j) for j in range(c.limit + 1)]
-    return [cum[j + 1] - cum[j] for j in range(c.limit)]
+    per_call, per_token = est.timing.line()  # cost(j) = per_call + per_token x j, fitted once for all positions
+    return [per_call + per_token] + [per_token] * (c.limit - 1) if c.limit else []
 
 
 RISK_MARGIN = 0.5  # how much more than its measured cost a draft must be expected to return (see admit_prefixes)
