@@ -11,7 +11,11 @@ path `LLM(dtype="auto")` picks for plain decoding and for k = 8 drafts, from its
 
 `--bodies` also runs the gguf-q8act path once per matmul body verispec's kernel has built for this CPU (AVX2, and
 AVX-512 VNNI where the CPU has it), as rows `gguf-q8act[BODY]` interleaved with the rest, and checks that every
-body's logits are bitwise those of the body the kernel chose; `--paths` limits the paths (e.g. gguf-q8act).
+body's logits are bitwise those of the body the kernel chose; `--prefetch` runs it once per level the AVX-512
+body's weight streams are fetched ahead to (rows `gguf-q8act[l1]`, `gguf-q8act[l2]`; the loader times both and
+keeps the faster); `--paths` limits the paths (e.g. gguf-q8act); `--ms` the block sizes.
+
+    python benchmarks/verify_curve.py --paths gguf-q8act --prefetch --ms 1,2,3,4,5,6,8,16 --repeats 15
 """
 
 from __future__ import annotations
@@ -67,8 +71,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--json", default=None)
     ap.add_argument("--bodies", action="store_true", help="gguf-q8act once per matmul body built here")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="gguf-q8act once per prefetch level of the AVX-512 body's weight streams (l1, l2)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="block sizes M (must include 1 and 8)")
     ap.add_argument("--paths", default=None, help="comma-separated path names (default: every candidate)")
     args = ap.parse_args()
+    ms_list = tuple(sorted({int(m) for m in args.ms.split(",")} | {1, 8}))
     resolved = resolve(args.model, progress=False)
     cfg = ModelConfig.from_hf(read_config(resolved.directory))
     int4 = gguf_has_int4_linears(resolved)
@@ -77,35 +85,39 @@ def main() -> None:
         paths = [p for p in paths if p.name in args.paths.split(",")]
     models = {p.name: load_model(resolved, dtype=p.dtype, quantization=p.quantization, progress=False)[0]
               for p in paths}
-    ids = torch.arange(args.context + max(MS)) * 7 % cfg.vocab_size  # [context + max M]
-    bodies = {}  # row name -> (model name, body)
-    if args.bodies and "gguf-q8act" in models:
-        from verispec.execution.cpu_kernels import load
+    ids = torch.arange(args.context + max(ms_list)) * 7 % cfg.vocab_size  # [context + max M]
+    bodies = {}  # row name -> (model name, body, prefetch level)
+    if (args.bodies or args.prefetch) and "gguf-q8act" in models:
+        from verispec.execution.cpu_kernels import PREFETCH_LEVELS, load
 
         lib = load()
         print(f"verispec's kernel: {lib.describe()}")
-        for b in lib.bodies:
+        for b in lib.bodies if args.bodies else ():
             if b != "portable":
-                bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", b)
+                bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", b, None)
                 check_same_logits(models["gguf-q8act"], lib, b, ids)
+        if args.prefetch and lib.body != "avx512-vnni":
+            raise SystemExit(f"--prefetch: the {lib.body} body runs here, and only the AVX-512 one has the levels")
+        for level in PREFETCH_LEVELS if args.prefetch else ():
+            bodies[f"gguf-q8act[{level}]"] = ("gguf-q8act", None, level)
     for m in models.values():  # as the engine runs them: per-query attention where the linears are invariant
         m.batch_invariant = all(linears_row_invariant(m).values())
     caches = {}
     for name, m in models.items():
-        cache = m.new_cache(args.context + max(MS))
+        cache = m.new_cache(args.context + max(ms_list))
         slot = cache.allocate()
         m.prefill(ids[: args.context], cache, slot)
         caches[name] = (cache, slot)
-    rows = {n: (n, None) for n in models if not (bodies and n == "gguf-q8act")} | bodies
-    times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in MS} for n in rows}
+    rows = {n: (n, None, None) for n in models if not (bodies and n == "gguf-q8act")} | bodies
+    times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in ms_list} for n in rows}
     names = list(rows)
     load = MachineLoad().start()
     for r in range(args.repeats + 1):  # round 0 warms up
-        for m in MS:
+        for m in ms_list:
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
-                name, body = rows[n]
-                with lib.running(body) if body else contextlib.nullcontext():
+                name, body, level = rows[n]
+                with lib.running(body) if body else lib.prefetching(level) if level else contextlib.nullcontext():
                     ms = forward_ms(models[name], *caches[name], ids, args.context, m)
                 if r:
                     times[n][m].append(ms)
@@ -114,22 +126,24 @@ def main() -> None:
     med = {n: {m: statistics.median(v) for m, v in t.items()} for n, t in times.items()}
     plain = resolve_path("auto", None, "cpu", cfg, int4, 0, cache=hub.cache_dir())
     spec = resolve_path("auto", None, "cpu", cfg, int4, 8, cache=hub.cache_dir())
-    report(med, args, plain.describe(), spec.describe(), {n: models[rows[n][0]].batch_invariant for n in rows})
+    report(med, args, plain.describe(), spec.describe(), {n: models[rows[n][0]].batch_invariant for n in rows},
+           ms_list)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ms": med, "cpu": cpu_info().as_dict(), "threads": torch.get_num_threads(),
                        "auto_plain": plain.path.name, "auto_k8": spec.path.name, "context": args.context}, f)
 
 
-def report(med: dict[str, dict[int, float]], args, plain: str, spec: str, invariant: dict[str, bool]) -> None:
+def report(med: dict[str, dict[int, float]], args, plain: str, spec: str, invariant: dict[str, bool],
+           ms_list: tuple[int, ...] = MS) -> None:
     print(f"CPU {cpu_info().label()}; torch {torch.__version__}, {torch.get_num_threads()} threads; context "
           f"{args.context}; median of {args.repeats} interleaved repeats; ms of one forward of M tokens")
-    print("\n| path | batch-invariant attention | " + " | ".join(f"M={m}" for m in MS) + " | cost(8)/cost(1) |")
-    print("|---|---|" + "---|" * (len(MS) + 1))
+    print("\n| path | batch-invariant attention | " + " | ".join(f"M={m}" for m in ms_list) + " | cost(8)/cost(1) |")
+    print("|---|---|" + "---|" * (len(ms_list) + 1))
     for n, t in med.items():
-        print(f"| {n} | {invariant[n]} | " + " | ".join(f"{t[m]:.1f}" for m in MS) + f" | {t[8] / t[1]:.2f} |")
-    best = {m: min(med, key=lambda n: med[n][m]) for m in MS}
-    print("| cheapest | | " + " | ".join(best[m] for m in MS) + " | |")
+        print(f"| {n} | {invariant[n]} | " + " | ".join(f"{t[m]:.1f}" for m in ms_list) + f" | {t[8] / t[1]:.2f} |")
+    best = {m: min(med, key=lambda n: med[n][m]) for m in ms_list}
+    print("| cheapest | | " + " | ".join(best[m] for m in ms_list) + " | |")
     print(f"\nauto, plain decoding: {plain}\nauto, k = 8 drafts: {spec}")
 
 

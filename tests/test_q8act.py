@@ -141,6 +141,53 @@ def test_the_active_body_is_a_built_one_chosen_by_timing_and_a_missing_one_is_re
             LIB.linear(w.tiles, "Q8_0", 8, 32, torch.ones(1, 32), torch.empty(1, 8), body=b)
 
 
+needs_avx512 = pytest.mark.skipif("avx512-vnni" not in LIB.bodies, reason="this CPU gets no AVX-512 VNNI body")
+
+
+@needs_avx512
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_pair_streams_prefetch_level_changes_no_bit(kind: str) -> None:
+    """The AVX-512 body from 4 rows on (two tiles per vector) with its weights fetched ahead into L1 and into L2:
+    both the portable body's bits, and the level the loader chose is back in force after the block."""
+    k, n = 160, 72
+    w = Q8ActWeight(random_raw(kind, n, k, seed=5), kind, n, k)
+    for m in (4, 5, 8, 13):
+        x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ref = torch.empty(m, n)
+        LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
+        for level in ("l1", "l2"):
+            with LIB.prefetching(level):
+                got = torch.empty(m, n)
+                LIB.linear(w.tiles, kind, n, k, x, got, body="avx512-vnni")
+            assert torch.equal(got, ref), (level, m)
+    with pytest.raises(ValueError, match="not one of l1, l2"):
+        with LIB.prefetching("l3"):
+            pass
+
+
+def test_the_prefetch_level_is_timed_only_for_the_avx512_body_and_can_be_named(monkeypatch) -> None:
+    import dataclasses
+
+    from verispec.execution.cpu_kernels import PREFETCH_ENV, choose_prefetch
+
+    for body in LIB.bodies:  # the other bodies have no pair streams: nothing is timed or said
+        if body != "avx512-vnni":
+            assert choose_prefetch(dataclasses.replace(LIB, body=body)) == ("l1", "")
+    if "avx512-vnni" not in LIB.bodies:
+        return
+    avx512 = dataclasses.replace(LIB, body="avx512-vnni")
+    monkeypatch.setenv(PREFETCH_ENV, "l2")
+    assert choose_prefetch(avx512) == ("l2", f"{PREFETCH_ENV}=l2")
+    monkeypatch.setenv(PREFETCH_ENV, "l9")
+    with pytest.raises(KernelUnavailable, match="not one of l1, l2"):
+        choose_prefetch(avx512)
+    monkeypatch.delenv(PREFETCH_ENV)
+    level, why = choose_prefetch(avx512, repeats=1)
+    assert level in ("l1", "l2") and "L1" in why and "L2" in why and "one forward's linears" in why
+    if LIB.body == "avx512-vnni" and not LIB.choice.startswith("VERISPEC"):
+        assert LIB.prefetch_choice and f"into {LIB.prefetch.upper()}" in LIB.describe()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_result_is_the_same_alone_in_any_batch_and_at_any_thread_count(kind: str) -> None:
     n, k = 72, 128
@@ -222,7 +269,7 @@ def test_the_fused_swiglu_is_silu_of_the_gate_times_the_up_half() -> None:
         w.matmul(x[:, :k], swiglu=True)
 
 
-@pytest.mark.skipif("avx512-vnni" not in LIB.bodies, reason="this CPU gets no AVX-512 VNNI body")
+@needs_avx512
 def test_a_compiler_without_avx512_vnni_still_builds_the_avx2_body(tmp_path, monkeypatch) -> None:
     import shutil
 
@@ -438,6 +485,7 @@ def test_default_model_outputs_say_which_matmul_body_ran(q8act) -> None:
 
     out = q8act.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.stats["quantization"] == "gguf-q8act" and out.stats["kernel_body"] == LIB.body
+    assert out.stats.get("kernel_prefetch") == (LIB.prefetch if LIB.prefetch_choice else None)
     assert f"verispec's kernel: {BODY_NAMES[LIB.body]} body" in q8act.path_choice.describe()
 
 

@@ -68,6 +68,8 @@ class PathChoice:
         lib = self._kernel()
         if lib:  # which of verispec's matmul bodies ran (the same bits in each)
             out["kernel_body"] = lib.body
+            if lib.prefetch_choice:  # where its pair streams were fetched ahead to (measured at load)
+                out["kernel_prefetch"] = lib.prefetch
         return out
 
 

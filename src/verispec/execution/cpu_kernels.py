@@ -11,7 +11,9 @@ library. The flags come from the CPU: `-mavx2 -mfma -mf16c` where it has all thr
 and vpdpbusd for the integer sums), none otherwise (only the portable body, which `dtype="auto"` never picks).
 Every body computes the same bits (the tests hold each to the portable one), so which one runs is a question of
 speed only: at load the vector bodies built here are timed on the default model's layer shapes at one and eight
-rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. OpenMP is used
+rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. The AVX-512 body's
+weight streams for 4 rows and more are fetched ahead into L1 or L2, whichever is faster on the linears of one
+forward streamed from memory (`Library.prefetch`, `choose_prefetch`; no bit changes). OpenMP is used
 where the compiler has it; torch's own OpenMP runtime, already loaded, serves the library, so its threads are
 torch's threads. Without a compiler the path is simply not offered, and why is said once.
 """
@@ -47,6 +49,8 @@ AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 BODIES = {"portable": 1, "avx2": 2, "avx512-vnni": 3}  # the C enum VS_BODY_*; 0 = the active one
 BODY_ENV = "VERISPEC_CPU_BODY"  # names the body to run instead of timing them
 BODY_NAMES = {"portable": "portable C", "avx2": "AVX2+FMA+F16C", "avx512-vnni": "AVX-512 VNNI"}
+PREFETCH_LEVELS = ("l1", "l2")  # where the AVX-512 body's pair streams are fetched ahead to (vs_set_pair_prefetch)
+PREFETCH_ENV = "VERISPEC_CPU_PREFETCH"  # names the level instead of timing the levels
 
 
 class KernelUnavailable(RuntimeError):
@@ -62,6 +66,8 @@ class Library:
     bodies: tuple[str, ...] = ("portable",)  # the matmul bodies built in (BODIES' names)
     body: str = "portable"  # the one that runs (vs_set_body), the fastest measured at load
     choice: str = ""  # why: the timings that chose it
+    prefetch: str = "l1"  # where the AVX-512 body's pair streams are fetched ahead to, the faster measured at load
+    prefetch_choice: str = ""  # why (empty where the AVX-512 body does not run)
 
     @property
     def avx2(self) -> bool:
@@ -75,7 +81,9 @@ class Library:
         return BODIES[body]
 
     def describe(self) -> str:
-        return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}, "
+        prefetch = (f", from 4 rows on weights fetched ahead into {self.prefetch.upper()} ({self.prefetch_choice})"
+                    if self.prefetch_choice else "")
+        return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}{prefetch}, "
                 f"{'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}")
 
     def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
@@ -102,6 +110,18 @@ class Library:
             yield
         finally:
             self.lib.vs_set_body(BODIES[self.body])
+
+    @contextlib.contextmanager
+    def prefetching(self, level: str) -> Iterator[None]:
+        """Inside the block the AVX-512 body's pair streams are fetched ahead into `level` ("l1" or "l2"); after it,
+        `self.prefetch` again. For benchmarks that compare the two side by side (the bits are the same in each)."""
+        if level not in PREFETCH_LEVELS:
+            raise ValueError(f"prefetch level {level!r} is not one of {', '.join(PREFETCH_LEVELS)}")
+        self.lib.vs_set_pair_prefetch(int(level == "l2"))
+        try:
+            yield
+        finally:
+            self.lib.vs_set_pair_prefetch(int(self.prefetch == "l2"))
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -244,13 +264,21 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_bodies.restype = i32
     lib.vs_set_body.argtypes = [i32]
     lib.vs_set_body.restype = i32
+    lib.vs_set_pair_prefetch.argtypes = [i32]
+    lib.vs_set_pair_prefetch.restype = i32
+    lib.vs_tile_bytes.argtypes = [i32]
+    lib.vs_tile_bytes.restype = i32
     built = tuple(name for name, code in BODIES.items() if lib.vs_bodies() & (1 << code))
     library = Library(lib, out, flags, openmp_marker.exists(), built, built[-1])
     body, choice = choose_body(library)
     if lib.vs_set_body(BODIES[body]):
         raise KernelUnavailable(f"{out} does not have its own {body} body")
-    log.info("verispec's CPU kernel: %s body (%s)", BODY_NAMES[body], choice)
-    return dataclasses.replace(library, body=body, choice=choice)
+    library = dataclasses.replace(library, body=body, choice=choice)
+    prefetch, why = choose_prefetch(library)
+    lib.vs_set_pair_prefetch(int(prefetch == "l2"))
+    library = dataclasses.replace(library, prefetch=prefetch, prefetch_choice=why)
+    log.info("verispec's CPU kernel: %s", library.describe())
+    return library
 
 
 # the shapes the body choice times: the default model's gate_up (Q4_1 [3072, 576]) and down (Q4_1 [576, 1536])
@@ -288,6 +316,59 @@ def choose_body(library: Library, repeats: int = 5) -> tuple[str, str]:
     body = min(vector, key=best.get)
     timings = ", ".join(f"{b} {best[b] * 1e3:.2f} ms" for b in vector)
     return body, f"fastest measured: {timings} for the MLP linears at M = {'/'.join(map(str, BODY_ROWS))}"
+
+
+PREFETCH_ROWS = (4, 8)  # the rows the levels are timed at (the pair streams run from 4 rows on)
+PREFETCH_MARGIN = 0.02  # L2 must be this much faster to replace L1, the first choice: noise does not flip it
+
+
+# the weights one forward of the default model streams: per layer q|k|v, o, gate|up and down as Q4_1 [N, K], then
+# the Q8_0 head (93 MiB in all, more than a CPU's last-level cache, as the model's own weights are)
+FORWARD_LAYERS = 30
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+HEAD_SHAPE = (49152, 576)
+
+
+def _forward_weights(library: Library) -> list[tuple[torch.Tensor, str, int, int]]:
+    """(tiles, kind, N, K) of every weight of one default-model forward, in order: distinct memory, so they stream
+    from memory as a forward's do; the levels differ only there (from a cache every level is alike). Filled with
+    0x11 bytes (fp16 scales 0x1111: small, normal), since the speed does not depend on the values."""
+    def tiles(kind: str, n: int, k: int) -> torch.Tensor:
+        return torch.full((-(-n // 8), k // 32, library.lib.vs_tile_bytes(KINDS[kind])), 0x11, dtype=torch.uint8)
+
+    out = [(tiles("Q4_1", n, k), "Q4_1", n, k) for _ in range(FORWARD_LAYERS) for n, k in LAYER_SHAPES]
+    return out + [(tiles("Q8_0", *HEAD_SHAPE), "Q8_0", *HEAD_SHAPE)]
+
+
+def choose_prefetch(library: Library, repeats: int = 3) -> tuple[str, str]:
+    """(where the AVX-512 body's pair streams are fetched ahead to, the timings that say so); ("l1", "") where that
+    body does not run. It depends on the CPU's caches and prefetchers and shows only on weights that stream from
+    memory: so both levels are timed on the linears of one forward of the default model (`_forward_weights`,
+    93 MiB) at 4 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.15 s). Each level gives
+    the same bits. `VERISPEC_CPU_PREFETCH` (l1, l2) names one instead."""
+    if library.body != "avx512-vnni":
+        return "l1", ""
+    asked = os.environ.get(PREFETCH_ENV)
+    if asked:
+        if asked not in PREFETCH_LEVELS:
+            raise KernelUnavailable(f"{PREFETCH_ENV}={asked}: not one of {', '.join(PREFETCH_LEVELS)}")
+        return asked, f"{PREFETCH_ENV}={asked}"
+    weights = _forward_weights(library)
+    xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+          for m in PREFETCH_ROWS for k in {k for *_, k in weights}}
+    outs = {(m, n): torch.empty(m, n) for m in PREFETCH_ROWS for _, _, n, _ in weights}
+    best = dict.fromkeys(PREFETCH_LEVELS, float("inf"))
+    for _ in range(repeats + 1):  # the first round warms up
+        for level in PREFETCH_LEVELS:
+            with library.prefetching(level):
+                t0 = time.perf_counter()
+                for m in PREFETCH_ROWS:
+                    for raw, kind, n, k in weights:
+                        library.linear(raw, kind, n, k, xs[m, k], outs[m, n])
+                best[level] = min(best[level], time.perf_counter() - t0)
+    level = "l2" if best["l2"] < (1 - PREFETCH_MARGIN) * best["l1"] else "l1"
+    timings = ", ".join(f"{lv.upper()} {best[lv] * 1e3:.1f} ms" for lv in PREFETCH_LEVELS)
+    return level, f"measured: {timings} for one forward's linears at M = {'/'.join(map(str, PREFETCH_ROWS))}"
 
 
 def fast_kernel_available() -> tuple[bool, str]:
