@@ -499,13 +499,20 @@ def test_policy_weighs_drafts_against_the_decode_rows_only(tiny):
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=3,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3}, scheduler="dspark")
     eng, seen = llm.engine, []
-    verify_lengths = eng.policy.verify_lengths
+    draft_lengths, verify_lengths = eng.policy.draft_lengths, eng.policy.verify_lengths
 
-    def spy(cands, drafts, base_tokens):
+    def note(base_tokens):
         seen.append((base_tokens, sum(lv.prefilled for lv in eng.running), len(eng.running)))
+
+    def spy_draft(cands, base_tokens):  # asked every step a request speculates, whatever the timings decide
+        note(base_tokens)
+        return draft_lengths(cands, base_tokens)
+
+    def spy_verify(cands, drafts, base_tokens):  # asked only where something was drafted
+        note(base_tokens)
         return verify_lengths(cands, drafts, base_tokens)
 
-    eng.policy.verify_lengths = spy
+    eng.policy.draft_lengths, eng.policy.verify_lengths = spy_draft, spy_verify
     reqs = [Request(p, prm) for p, prm in zip(PROMPTS, _params())]
     for i, r in enumerate(reqs):
         eng.add_request(r)
