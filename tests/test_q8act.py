@@ -184,6 +184,29 @@ def test_the_prefetch_level_is_timed_only_for_the_avx512_body_and_can_be_named(m
     monkeypatch.delenv(PREFETCH_ENV)
     level, why = choose_prefetch(avx512, repeats=1)
     assert level in ("l1", "l2") and "L1" in why and "L2" in why and "one forward's linears" in why
+
+
+@needs_avx512
+def test_the_prefetch_choice_is_kept_per_machine_and_read_back(tmp_path, monkeypatch) -> None:
+    import dataclasses
+    import json
+
+    import verispec.execution.cpu_kernels as kernels
+    from verispec.execution.cpu_kernels import PREFETCH_ENV, choose_prefetch
+
+    monkeypatch.delenv(PREFETCH_ENV, raising=False)
+    monkeypatch.setattr(kernels, "machine_busy", lambda: False)
+    avx512 = dataclasses.replace(LIB, body="avx512-vnni")
+    level, why = choose_prefetch(avx512, repeats=1, cache=tmp_path)
+    kept, = (tmp_path / "kernels").glob("prefetch-*.json")
+    assert json.loads(kept.read_text())["level"] == level
+    other = "l1" if level == "l2" else "l2"  # what a later start reads is the file, not a new measurement
+    kept.write_text(json.dumps({"level": other, "why": "written by the test"}))
+    assert choose_prefetch(avx512, repeats=1, cache=tmp_path) == (other, "written by the test, cached")
+    monkeypatch.setattr(kernels, "machine_busy", lambda: True)  # a busy machine's measurement is not kept
+    kept.unlink()
+    choose_prefetch(avx512, repeats=1, cache=tmp_path)
+    assert not kept.exists()
     if LIB.body == "avx512-vnni" and not LIB.choice.startswith("VERISPEC"):
         assert LIB.prefetch_choice and f"into {LIB.prefetch.upper()}" in LIB.describe()
 

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from verispec.config import ModelConfig
-from verispec.execution.cpu import CpuInfo, cpu_info
+from verispec.execution.cpu import CpuInfo, cpu_info, machine_busy
 from verispec.execution.paths import WeightPath
 from verispec.models.loader import parse_dtype
 
@@ -229,17 +229,6 @@ def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], ca
                                   indent=1))
         tmp.replace(file)
     return table, False
-
-
-def machine_busy() -> bool:
-    """Whether other processes already load the CPU (1-minute load average above the core count): a profile
-    measured then says more about them than about the kernels, so it is used for this run but not cached."""
-    try:
-        import os
-
-        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
-    except (AttributeError, OSError):
-        return False
 
 
 def resolve_path(dtype: str, quantization: str | None, device: str, cfg: ModelConfig, gguf_int4: bool,

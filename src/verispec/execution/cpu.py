@@ -6,6 +6,7 @@ torch's own kernels were dispatched for), and what verispec's own kernels are bu
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,3 +46,12 @@ def cpu_info() -> CpuInfo:
                 flags |= set(value.split())
     capability = torch.backends.cpu.get_cpu_capability()
     return CpuInfo(model, tuple(f for f in KERNEL_FLAGS if f in flags), capability)
+
+
+def machine_busy() -> bool:
+    """Whether other processes already load the CPU (1-minute load average above the core count): a profile
+    measured then says more about them than about the kernels, so it is used for this run but not cached."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
+    except (AttributeError, OSError):
+        return False

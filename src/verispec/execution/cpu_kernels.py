@@ -13,7 +13,8 @@ Every body computes the same bits (the tests hold each to the portable one), so 
 speed only: at load the vector bodies built here are timed on the default model's layer shapes at one and eight
 rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. The AVX-512 body's
 weight streams for 4 rows and more are fetched ahead into L1 or L2, whichever is faster on the linears of one
-forward streamed from memory (`Library.prefetch`, `choose_prefetch`; no bit changes). OpenMP is used
+forward streamed from memory, measured once per machine and kept (`Library.prefetch`, `choose_prefetch`; no bit
+changes). OpenMP is used
 where the compiler has it; torch's own OpenMP runtime, already loaded, serves the library, so its threads are
 torch's threads. Without a compiler the path is simply not offered, and why is said once.
 """
@@ -25,6 +26,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -34,11 +36,11 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from verispec.execution.cpu import cpu_info
+from verispec.execution.cpu import cpu_info, machine_busy
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +276,7 @@ def load(cache: Path | None = None) -> Library:
     if lib.vs_set_body(BODIES[body]):
         raise KernelUnavailable(f"{out} does not have its own {body} body")
     library = dataclasses.replace(library, body=body, choice=choice)
-    prefetch, why = choose_prefetch(library)
+    prefetch, why = choose_prefetch(library, cache=cache)
     lib.vs_set_pair_prefetch(int(prefetch == "l2"))
     library = dataclasses.replace(library, prefetch=prefetch, prefetch_choice=why)
     log.info("verispec's CPU kernel: %s", library.describe())
@@ -284,6 +286,19 @@ def load(cache: Path | None = None) -> Library:
 # the shapes the body choice times: the default model's gate_up (Q4_1 [3072, 576]) and down (Q4_1 [576, 1536])
 BODY_SHAPES = ((3072, 576), (576, 1536))
 BODY_ROWS = (1, 8)
+
+
+def _fastest(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Seconds of each arm's fastest of `repeats` rounds, the arms interleaved, after one warm-up round (packing,
+    allocator, thread pool): another process stealing the CPU slows a round, never speeds one."""
+    best = dict.fromkeys(arms, float("inf"))
+    for r in range(repeats + 1):
+        for name, run in arms.items():
+            t0 = time.perf_counter()
+            run()
+            if r:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def choose_body(library: Library, repeats: int = 5) -> tuple[str, str]:
@@ -306,13 +321,11 @@ def choose_body(library: Library, repeats: int = 5) -> tuple[str, str]:
         raw[..., :32] = torch.full((16,), 0.01, dtype=torch.float16).view(torch.uint8)  # d[8], m[8]: finite
         for m in BODY_ROWS:
             cases.append((raw, n, k, torch.randn(m, k, generator=gen), torch.empty(m, n)))
-    best = {b: float("inf") for b in vector}
-    for _ in range(repeats + 1):  # the first round warms up
-        for b in vector:
-            t0 = time.perf_counter()
-            for raw, n, k, x, out in cases:
-                library.linear(raw, "Q4_1", n, k, x, out, body=b)
-            best[b] = min(best[b], time.perf_counter() - t0)
+    def run(body: str) -> None:
+        for raw, n, k, x, out in cases:
+            library.linear(raw, "Q4_1", n, k, x, out, body=body)
+
+    best = _fastest({b: functools.partial(run, b) for b in vector}, repeats)
     body = min(vector, key=best.get)
     timings = ", ".join(f"{b} {best[b] * 1e3:.2f} ms" for b in vector)
     return body, f"fastest measured: {timings} for the MLP linears at M = {'/'.join(map(str, BODY_ROWS))}"
@@ -340,12 +353,14 @@ def _forward_weights(library: Library) -> list[tuple[torch.Tensor, str, int, int
     return out + [(tiles("Q8_0", *HEAD_SHAPE), "Q8_0", *HEAD_SHAPE)]
 
 
-def choose_prefetch(library: Library, repeats: int = 3) -> tuple[str, str]:
+def choose_prefetch(library: Library, repeats: int = 3, cache: Path | None = None) -> tuple[str, str]:
     """(where the AVX-512 body's pair streams are fetched ahead to, the timings that say so); ("l1", "") where that
     body does not run. It depends on the CPU's caches and prefetchers and shows only on weights that stream from
     memory: so both levels are timed on the linears of one forward of the default model (`_forward_weights`,
-    93 MiB) at 4 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.15 s). Each level gives
-    the same bits. `VERISPEC_CPU_PREFETCH` (l1, l2) names one instead."""
+    93 MiB) at 4 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.15 s). The choice is kept
+    in `cache` per machine (CPU, threads, kernel source), as the path profile is, so later starts pay nothing; a
+    busy machine's measurement is used but not kept. Each level gives the same bits. `VERISPEC_CPU_PREFETCH` (l1,
+    l2) names one instead."""
     if library.body != "avx512-vnni":
         return "l1", ""
     asked = os.environ.get(PREFETCH_ENV)
@@ -353,22 +368,38 @@ def choose_prefetch(library: Library, repeats: int = 3) -> tuple[str, str]:
         if asked not in PREFETCH_LEVELS:
             raise KernelUnavailable(f"{PREFETCH_ENV}={asked}: not one of {', '.join(PREFETCH_LEVELS)}")
         return asked, f"{PREFETCH_ENV}={asked}"
+    file = None if cache is None else cache / "kernels" / f"prefetch-{_prefetch_key()}.json"
+    if file is not None and file.exists():
+        kept = json.loads(file.read_text())
+        return kept["level"], f"{kept['why']}, cached"
     weights = _forward_weights(library)
     xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m))
           for m in PREFETCH_ROWS for k in {k for *_, k in weights}}
     outs = {(m, n): torch.empty(m, n) for m in PREFETCH_ROWS for _, _, n, _ in weights}
-    best = dict.fromkeys(PREFETCH_LEVELS, float("inf"))
-    for _ in range(repeats + 1):  # the first round warms up
-        for level in PREFETCH_LEVELS:
-            with library.prefetching(level):
-                t0 = time.perf_counter()
-                for m in PREFETCH_ROWS:
-                    for raw, kind, n, k in weights:
-                        library.linear(raw, kind, n, k, xs[m, k], outs[m, n])
-                best[level] = min(best[level], time.perf_counter() - t0)
+
+    def run(level: str) -> None:
+        with library.prefetching(level):
+            for m in PREFETCH_ROWS:
+                for raw, kind, n, k in weights:
+                    library.linear(raw, kind, n, k, xs[m, k], outs[m, n])
+
+    best = _fastest({lv: functools.partial(run, lv) for lv in PREFETCH_LEVELS}, repeats)
     level = "l2" if best["l2"] < (1 - PREFETCH_MARGIN) * best["l1"] else "l1"
     timings = ", ".join(f"{lv.upper()} {best[lv] * 1e3:.1f} ms" for lv in PREFETCH_LEVELS)
-    return level, f"measured: {timings} for one forward's linears at M = {'/'.join(map(str, PREFETCH_ROWS))}"
+    why = f"measured: {timings} for one forward's linears at M = {'/'.join(map(str, PREFETCH_ROWS))}"
+    if file is not None and not machine_busy():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"level": level, "why": why, "cpu": cpu_info().as_dict(), "measured": time.time()}))
+        tmp.replace(file)
+    return level, why
+
+
+def _prefetch_key() -> str:
+    """What a kept prefetch choice is valid for: this CPU, the thread count and the kernel source."""
+    cpu = cpu_info()
+    parts = [cpu.model, " ".join(cpu.flags), str(torch.get_num_threads()), source_digest(), str(PREFETCH_ROWS)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
 def fast_kernel_available() -> tuple[bool, str]:
