@@ -207,6 +207,48 @@ def test_draft_trees_in_one_call_equal_the_layer_by_layer_forward_bitwise(model:
         assert torch.equal(x, y), (i, (x - y).abs().max())
 
 
+def long_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.Tensor]:
+    """Longer contexts (45 and 30 prompt tokens): a chain of 9 rows beside a tree, then a chain of 5 beside a chain
+    of 3: in the one-call decoder a sequence's rows are attended together over their shared keys, several query
+    heads per key read, in runs of 16 (paged) or one run (slot cache); every row's logits and layer 2's input."""
+    kernel = model.decoder_kernel
+    model.decoder_kernel = kernel if use_kernel else None
+    try:
+        cache = model.new_paged_cache(128, 20, 16, 2) if paged else model.new_cache(128, 2)
+        a, b = cache.allocate(), cache.allocate()
+        ids = torch.arange(120) * 13 % CFG.vocab_size
+        outs = [model.prefill(ids[:45], cache, a, logits_indices=range(45)).logits,
+                model.prefill(ids[45:75], cache, b, logits_indices=range(30)).logits]
+        o = model(ids[75:91], [Segment(a, 45, 9), Segment(b, 30, 7, tree=TREE)], cache, logits_indices=range(16),
+                  capture_layers=(2,))
+        outs += [o.logits, o.hidden[2]]
+        cache.commit(a, 7)
+        cache.commit_rows(b, [0, 1, 3])
+        o = model(ids[91:99], [Segment(b, 33, 3), Segment(a, 52, 5)], cache, logits_indices=range(8))
+        return outs + [o.logits]
+    finally:
+        model.decoder_kernel = kernel
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_rows_attended_together_over_long_contexts_equal_the_layer_by_layer_forward(model: LlamaModel,
+                                                                                    paged: bool) -> None:
+    for i, (x, y) in enumerate(zip(long_steps(model, paged, True), long_steps(model, paged, False))):
+        assert torch.equal(x, y), (i, (x - y).abs().max())
+
+
+def test_how_many_rows_share_a_key_read_changes_no_bit(model: LlamaModel) -> None:
+    """Rows one at a time, in pairs, in fives, or as many as a task holds (the default): the same bits, in every
+    row of the long steps, paged."""
+    from verispec.execution.cpu_kernels import load
+
+    default = long_steps(model, True, True)
+    for rows in (1, 2, 5):
+        with load().attending_rows(rows):
+            for i, (x, y) in enumerate(zip(long_steps(model, True, True), default)):
+                assert torch.equal(x, y), (rows, i, (x - y).abs().max())
+
+
 def test_what_the_call_does_not_cover_goes_layer_by_layer(model: LlamaModel) -> None:
     kernel = model.decoder_kernel
     cache = model.new_cache(128)

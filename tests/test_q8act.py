@@ -378,6 +378,30 @@ def test_attention_shared_keys_rows_without_keys_and_the_portable_body() -> None
         assert torch.equal(LIB.attention(q, k, v, hidden, reference=True), out)
 
 
+@pytest.mark.parametrize("reference", [False, True])
+def test_masked_keys_anywhere_in_the_range_change_no_bit(reference: bool) -> None:
+    """A row's visible keys interleaved with masked ones (a draft tree's non-ancestors, in the layer-by-layer
+    path's mask) give the bits of those keys alone, side by side (the one-call decoder's layout): the sum of p is
+    taken over the visible keys only, in their order, not over key positions."""
+    if reference and not LIB.avx2:
+        pytest.skip("the portable body is the only body here")
+    g = torch.Generator().manual_seed(11)
+    for length in (20, 41, 208):
+        q, k, v = _qkv(2, 3, length, seed=length)
+        hidden = torch.rand(2, 3, length, generator=g) < 0.3
+        hidden[:, 0, 5:13] = True  # a whole vector's worth of masked keys
+        hidden[:, :, 0] = False
+        bias = torch.zeros(2, 3, length).masked_fill(hidden, float("-inf"))
+        out = LIB.attention(q, k, v, bias, reference=reference)
+        for b in range(2):
+            for m in range(3):
+                keep = ~hidden[b, m]
+                alone = LIB.attention(q[b : b + 1, m : m + 1], k[b : b + 1, keep], v[b : b + 1, keep], None,
+                                      reference=reference)
+                assert torch.equal(alone[0, 0], out[b, m]), (length, b, m)
+        assert (out.double() - attention_ref(q, k, v, bias)).abs().max() < 1e-5
+
+
 @pytest.mark.skipif(not LIB.avx2, reason="no vector body on this CPU")
 @pytest.mark.parametrize("hd", [8, 16, 64, 96, 128])
 def test_vector_attention_is_the_portable_bit_for_bit(hd: int) -> None:

@@ -114,6 +114,17 @@ class Library:
             self.lib.vs_set_body(BODIES[self.body])
 
     @contextlib.contextmanager
+    def attending_rows(self, rows: int) -> Iterator[None]:
+        """Inside the block `vs_decoder`'s attention takes at most `rows` rows of one sequence per task (1: each row
+        reads its keys alone; the default is 64, the most a task holds). For benchmarks that compare the grouping
+        side by side (the bits are the same in each)."""
+        was = self.lib.vs_set_attention_rows(rows)
+        try:
+            yield
+        finally:
+            self.lib.vs_set_attention_rows(was)
+
+    @contextlib.contextmanager
     def prefetching(self, level: str) -> Iterator[None]:
         """Inside the block the AVX-512 body's pair streams are fetched ahead into `level` ("l1" or "l2"); after it,
         `self.prefetch` again. For benchmarks that compare the two side by side (the bits are the same in each)."""
@@ -266,6 +277,8 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_bodies.restype = i32
     lib.vs_set_body.argtypes = [i32]
     lib.vs_set_body.restype = i32
+    lib.vs_set_attention_rows.argtypes = [i32]
+    lib.vs_set_attention_rows.restype = i32
     lib.vs_set_pair_prefetch.argtypes = [i32]
     lib.vs_set_pair_prefetch.restype = i32
     lib.vs_tile_bytes.argtypes = [i32]

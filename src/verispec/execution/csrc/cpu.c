@@ -450,11 +450,15 @@ static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, i
 }
 #endif
 
+#define MAXQ 64 /* queries in one attention task: rows x query heads */
+static int attention_rows = MAXQ; /* the most rows of a sequence in one task (vs_set_attention_rows) */
+
 /* --- attention of a few query rows over their keys, fp32 (the CPU cache's dtype) ---
  * per (batch b, row m): s_l = dot(q, k_l) * scale + bias_l; p_l = exp(s_l - max s); out = sum_l (p_l / sum p) v_l,
  * keys with p_l = 0 (masked: -inf) skipped. dot: element i in lane i % 8, fma in order, the lanes added as hsum8;
- * exp: `vexp` below; sums over l in order. A row's result depends on its own q, visible keys, values and bias
- * only: not on the other rows, nor on how many masked keys pad its key range. */
+ * exp: `vexp` below; sum p: the visible keys' in eight lanes (`psum`); sum p v: over l in order. A row's result
+ * depends on its own q, visible keys, values and bias only: not on the other rows, nor on how many masked keys pad
+ * or interleave its key range. */
 
 /* exp(x) (Cephes' expf polynomial on r = x - n ln 2, n = round(x / ln 2)); 0 below -87, x taken as 88 above 88 */
 #define EXP_C0 1.9875691500e-4f
@@ -586,10 +590,46 @@ static void scores_avx2(const float *q, int64_t qm, const float *k, int64_t kl, 
 }
 #endif
 
+/* sum of p [L] >= 0 in eight lanes: the c-th nonzero p (c = 0, 1, ...) is added to lane c % 8, in order, and the
+ * lanes are added as hsum8. Zeros (masked keys) are skipped, so a key range padded or interleaved with masked keys
+ * sums to the same bits as the visible keys alone, as pv_rows' sum does; eight chains instead of one sequential sum.
+ * vec: whole runs of eight nonzero p added as one vector, rotated to their lanes (the same additions) */
+static float psum(const float *p, int64_t L, int vec) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t c = 0, l = 0;
+#ifdef VS_AVX2
+    if (vec && L >= 16) {
+        __m256 acc = _mm256_setzero_ps();
+        for (; l + 8 <= L; l += 8) {
+            const __m256 x = _mm256_loadu_ps(p + l);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ)) == 0) {
+                /* element i to lane (c + i) % 8: lane j takes element (j - c) % 8 */
+                const __m256i idx = _mm256_and_si256(
+                    _mm256_sub_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)(c & 7))),
+                    _mm256_set1_epi32(7));
+                acc = _mm256_add_ps(acc, _mm256_permutevar8x32_ps(x, idx));
+                c += 8;
+                continue;
+            }
+            _mm256_storeu_ps(lane, acc);
+            for (int i = 0; i < 8; i++)
+                if (p[l + i] != 0.0f) lane[c++ & 7] += p[l + i];
+            acc = _mm256_loadu_ps(lane);
+        }
+        _mm256_storeu_ps(lane, acc);
+    }
+#else
+    (void)vec;
+#endif
+    for (; l < L; l++)
+        if (p[l] != 0.0f) lane[c++ & 7] += p[l];
+    return hsum8(lane);
+}
+
 /* a row of scores s [L] -> p = exp(s - max s) in place; returns 1 / sum p (0 and all p zero when no key is
  * visible: every score -inf). exp: vexp8 on whole vectors from the start, vexp on the tail (the same values) */
 static float softmax_row(float *sr, int64_t L, int vec) {
-    float mx = -INFINITY, den = 0.0f;
+    float mx = -INFINITY;
     int64_t l = 0;
 #ifdef VS_AVX2
     if (vec && L >= 8) { /* the same maximum (exact; a NaN ignored, as fmaxf does) */
@@ -613,8 +653,7 @@ static float softmax_row(float *sr, int64_t L, int vec) {
     (void)vec;
 #endif
     for (; l < L; l++) sr[l] = vexp(sr[l] - mx);
-    for (l = 0; l < L; l++) den += sr[l];
-    return 1.0f / den;
+    return 1.0f / psum(sr, L, vec);
 }
 
 #ifdef VS_AVX2
@@ -660,6 +699,123 @@ static void pv_rows(float *out, const float *v, int64_t vl, const float *p, int6
         for (int64_t i = 0; i < hd; i++) out[i] = fmaf(a, v[t * vl + i], out[i]);
     }
 }
+
+#ifdef VS_AVX2
+/* scores of nq queries (qp[i], hd floats each) against L keys k (stride kl) into sp[i][0 .. L - 1]: each score in
+ * scores_avx2's arithmetic (one fma chain per key in dot8's order, reduced as hsum8v, times scale), so the same bits
+ * whichever queries are computed together. Eight keys at a time are read once for all the queries (from L1 after
+ * the first); with AVX-512's 32 vector registers three queries share each key vector's load */
+static void scores_multi(const float *const *qp, int64_t nq, const float *k, int64_t kl, int64_t L, int64_t hd,
+                         float scale, float *const *sp, int64_t off) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    int64_t l = 0;
+    for (; l + 8 <= L; l += 8) {
+        const float *kr = k + l * kl;
+        int64_t i = 0;
+#ifdef VS_AVX512
+        for (; i + 3 <= nq; i += 3) {
+            const float *q0 = qp[i], *q1 = qp[i + 1], *q2 = qp[i + 2];
+            __m256 a[8], b[8], c[8];
+            for (int j = 0; j < 8; j++) a[j] = b[j] = c[j] = _mm256_setzero_ps();
+            for (int64_t e = 0; e < hd; e += 8) {
+                const __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e), x2 = _mm256_loadu_ps(q2 + e);
+                for (int j = 0; j < 8; j++) {
+                    const __m256 kv = _mm256_loadu_ps(kr + j * kl + e);
+                    a[j] = _mm256_fmadd_ps(x0, kv, a[j]);
+                    b[j] = _mm256_fmadd_ps(x1, kv, b[j]);
+                    c[j] = _mm256_fmadd_ps(x2, kv, c[j]);
+                }
+            }
+            _mm256_storeu_ps(sp[i] + off + l, _mm256_mul_ps(hsum8x8(a), sc));
+            _mm256_storeu_ps(sp[i + 1] + off + l, _mm256_mul_ps(hsum8x8(b), sc));
+            _mm256_storeu_ps(sp[i + 2] + off + l, _mm256_mul_ps(hsum8x8(c), sc));
+        }
+#endif
+        for (; i < nq; i++) {
+            const float *qr = qp[i];
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t e = 0; e < hd; e += 8) {
+                const __m256 x = _mm256_loadu_ps(qr + e);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kr + j * kl + e), a[j]);
+            }
+            _mm256_storeu_ps(sp[i] + off + l, _mm256_mul_ps(hsum8x8(a), sc));
+        }
+    }
+    if (l < L) /* the last keys: scores_avx2's own four-key and one-key steps, per query */
+        for (int64_t i = 0; i < nq; i++) scores_avx2(qp[i], hd, k + l * kl, kl, NULL, 0, 1, L - l, hd, scale, sp[i] + off + l, L);
+}
+
+/* pv_chunk for nq outputs at once (the same fmas per output, keys in order, p = 0 skipped): each value vector is
+ * loaded once for up to three outputs (AVX-512: 3 x NV accumulators in registers), else one output at a time */
+static inline __attribute__((always_inline)) void pv_chunk_multi(float *const *op, int64_t nq, int64_t c,
+                                                                 const float *v, int64_t vl, const float *const *pp,
+                                                                 int64_t off, int64_t n, const float *inv,
+                                                                 const int NV) {
+    int64_t i = 0;
+#ifdef VS_AVX512
+    for (; i + 3 <= nq; i += 3) {
+        __m256 a[8], b[8], d[8];
+        float *o0 = op[i] + c, *o1 = op[i + 1] + c, *o2 = op[i + 2] + c;
+        const float *p0 = pp[i] + off, *p1 = pp[i + 1] + off, *p2 = pp[i + 2] + off;
+        for (int u = 0; u < NV; u++) {
+            a[u] = _mm256_loadu_ps(o0 + 8 * u);
+            b[u] = _mm256_loadu_ps(o1 + 8 * u);
+            d[u] = _mm256_loadu_ps(o2 + 8 * u);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *vt = v + t * vl + c;
+            if (p0[t] != 0.0f && p1[t] != 0.0f && p2[t] != 0.0f) {
+                const __m256 w0 = _mm256_set1_ps(p0[t] * inv[i]), w1 = _mm256_set1_ps(p1[t] * inv[i + 1]),
+                             w2 = _mm256_set1_ps(p2[t] * inv[i + 2]);
+                for (int u = 0; u < NV; u++) {
+                    const __m256 x = _mm256_loadu_ps(vt + 8 * u);
+                    a[u] = _mm256_fmadd_ps(w0, x, a[u]);
+                    b[u] = _mm256_fmadd_ps(w1, x, b[u]);
+                    d[u] = _mm256_fmadd_ps(w2, x, d[u]);
+                }
+                continue;
+            }
+            if (p0[t] != 0.0f) {
+                const __m256 w = _mm256_set1_ps(p0[t] * inv[i]);
+                for (int u = 0; u < NV; u++) a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * u), a[u]);
+            }
+            if (p1[t] != 0.0f) {
+                const __m256 w = _mm256_set1_ps(p1[t] * inv[i + 1]);
+                for (int u = 0; u < NV; u++) b[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * u), b[u]);
+            }
+            if (p2[t] != 0.0f) {
+                const __m256 w = _mm256_set1_ps(p2[t] * inv[i + 2]);
+                for (int u = 0; u < NV; u++) d[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * u), d[u]);
+            }
+        }
+        for (int u = 0; u < NV; u++) {
+            _mm256_storeu_ps(o0 + 8 * u, a[u]);
+            _mm256_storeu_ps(o1 + 8 * u, b[u]);
+            _mm256_storeu_ps(o2 + 8 * u, d[u]);
+        }
+    }
+#endif
+    for (; i < nq; i++) pv_chunk(op[i] + c, v + c, vl, pp[i] + off, n, inv[i], NV);
+}
+
+/* pv_rows for nq outputs over the same n values: op[i] [hd] += sum over t of (pp[i][off + t] inv[i]) v_t */
+static void pv_multi(float *const *op, int64_t nq, const float *v, int64_t vl, const float *const *pp, int64_t off,
+                     int64_t n, const float *inv, int64_t hd) {
+    for (int64_t c = 0; c < hd; c += 64) {
+        switch ((hd - c) / 8 < 8 ? (hd - c) / 8 : 8) {
+        case 8: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 8); break;
+        case 7: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 7); break;
+        case 6: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 6); break;
+        case 5: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 5); break;
+        case 4: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 4); break;
+        case 3: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 3); break;
+        case 2: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 2); break;
+        default: pv_chunk_multi(op, nq, c, v, vl, pp, off, n, inv, 1); break;
+        }
+    }
+}
+#endif
 
 /* q [B, M, hd] (strides qb, qm), k and v [B, L, hd] (strides kb, kl and vb, vl), bias [B?, M?, L] or NULL
  * (strides bb, bm; 0 where broadcast), out [B, M, hd] contiguous; the last dimension of each is contiguous.
@@ -745,6 +901,14 @@ int vs_set_body(int body) {
     if (!body_built(body)) return -1;
     active_body = body;
     return 0;
+}
+
+/* at most `rows` rows of one sequence per attention task (1: each row reads its keys alone, as before rows were
+ * attended together); returns the previous setting. Only the speed changes, never a bit: for benchmarks */
+int vs_set_attention_rows(int rows) {
+    const int was = attention_rows;
+    attention_rows = rows < 1 ? 1 : rows;
+    return was;
 }
 
 /* the AVX-512 body's pair streams prefetched into L2 (l2 = 1) or L1 (0); returns 0, or -1 without that body. Only
@@ -904,15 +1068,17 @@ static inline int64_t run_end(const vs_rows *R, int64_t j, int64_t hi) {
     return end < hi ? end : hi;
 }
 
-/* g query heads' attention (q, out: [g, hd], one kv head's group or part of it): each head against row r's keys
- * lo .. hi - 1 and hi + (bits of anc) of kv head h; s: scratch [g, count]. The keys and values are read once for the
- * g heads; each head's scores, softmax and sum are computed as for that head alone (the same bits) */
-static void attend_heads(const vs_rows *R, int64_t r, int64_t h, const float *q, int64_t g, int64_t lo, int64_t hi,
-                         uint64_t anc, int64_t hd, float scale, float *s, float *out, int vec) {
-    const int64_t head = R->base[r] + h * R->hstride, ls = hi - lo + __builtin_popcountll(anc);
-    int64_t L = hi - lo;
-    for (int64_t j = lo; j < hi;) { /* runs of consecutive positions: one block each */
-        const int64_t end = run_end(R, j, hi);
+
+/* row r's scores against the keys it alone sees: hmin .. hi[r] - 1 (the rest of lo .. hi[r] - 1, in runs) and then
+ * hi[r] + each bit of anc[r]; g query heads q [g, hd] of kv head h (a head's scores at s + a ls, from column hmin - lo) */
+static void own_scores(const vs_rows *R, int64_t r, int64_t head, const float *q, int64_t g, int64_t lo,
+                       int64_t hmin, int64_t hd, float scale, float *s, int64_t ls, int vec) {
+#ifndef VS_AVX2
+    (void)vec;
+#endif
+    int64_t L = R->hi[r] - lo;
+    for (int64_t j = hmin; j < R->hi[r];) {
+        const int64_t end = run_end(R, j, R->hi[r]);
         const float *kp = R->k + head + phys(R, r, j) * hd;
 #ifdef VS_AVX2
         if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, end - j, hd, scale, s + (j - lo), ls);
@@ -921,63 +1087,132 @@ static void attend_heads(const vs_rows *R, int64_t r, int64_t h, const float *q,
             scores_ref(q, hd, kp, hd, NULL, 0, g, end - j, hd, scale, s + (j - lo), ls);
         j = end;
     }
-    for (uint64_t m = anc; m; m &= m - 1, L++) { /* a tree node's ancestors and itself */
-        const float *kp = R->k + head + phys(R, r, hi + __builtin_ctzll(m)) * hd;
+    for (uint64_t m = R->anc[r]; m; m &= m - 1, L++) { /* a tree node's ancestors and itself */
+        const float *kp = R->k + head + phys(R, r, R->hi[r] + __builtin_ctzll(m)) * hd;
 #ifdef VS_AVX2
         if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, 1, hd, scale, s + L, ls);
         else
 #endif
             scores_ref(q, hd, kp, hd, NULL, 0, g, 1, hd, scale, s + L, ls);
     }
-    float inv[64];
-    for (int64_t a = 0; a < g; a++) inv[a] = softmax_row(s + a * ls, L, vec);
-    for (int64_t i = 0; i < g * hd; i++) out[i] = 0.0f;
-    for (int64_t a = 0; a < g; a++) { /* per head: the runs of consecutive positions, then the tree rows */
-        float *o = out + a * hd;
-        const float *p = s + a * ls;
-        for (int64_t j = lo; j < hi;) {
-            const int64_t end = run_end(R, j, hi);
-            pv_rows(o, R->v + head + phys(R, r, j) * hd, hd, p + (j - lo), end - j, inv[a], hd, vec);
+}
+
+/* one task: rows r0 .. r0 + n - 1 of one sequence, whose keys start at the same lo, and their g query heads a0 ..
+ * a0 + g - 1 of kv head h; out: att [N, H hd]; s: scratch [n g, ls]. The keys lo .. hmin - 1 (hmin: the rows'
+ * smallest hi) are read once for all n g queries; each query's scores, softmax and sum are computed as for that
+ * row and head alone (the same bits): a row's result does not depend on the rows it is computed with */
+static void attend_task(const vs_rows *R, const float *qkv, int64_t W, int64_t H, int64_t r0, int64_t n, int64_t h,
+                        int64_t a0, int64_t g, int64_t lo, int64_t hd, float scale, float *s, int64_t ls, float *att,
+                        int vec) {
+    const int64_t head = R->base[r0] + h * R->hstride, nq = n * g;
+    const float *qp[MAXQ];
+    float *sp[MAXQ], *op[MAXQ], inv[MAXQ];
+    int64_t hmin = R->hi[r0];
+    for (int64_t i = 0; i < n; i++) hmin = R->hi[r0 + i] < hmin ? R->hi[r0 + i] : hmin;
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t r = r0 + i / g, a = a0 + i % g;
+        qp[i] = qkv + r * W + a * hd;
+        sp[i] = s + i * ls;
+        op[i] = att + (r * H + a) * hd;
+    }
+    for (int64_t j = lo; j < hmin;) { /* the shared keys, in runs of consecutive positions */
+        const int64_t end = run_end(R, j, hmin);
+        const float *kp = R->k + head + phys(R, r0, j) * hd;
+#ifdef VS_AVX2
+        if (vec) scores_multi(qp, nq, kp, hd, end - j, hd, scale, sp, j - lo);
+        else
+#endif
+            for (int64_t i = 0; i < nq; i++) scores_ref(qp[i], hd, kp, hd, NULL, 0, 1, end - j, hd, scale, sp[i] + (j - lo), ls);
+        j = end;
+    }
+    for (int64_t i = 0; i < n; i++)
+        own_scores(R, r0 + i, head, qp[i * g], g, lo, hmin, hd, scale, sp[i * g], ls, vec);
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t r = r0 + i / g;
+        inv[i] = softmax_row(sp[i], R->hi[r] - lo + __builtin_popcountll(R->anc[r]), vec);
+        for (int64_t e = 0; e < hd; e++) op[i][e] = 0.0f;
+    }
+    for (int64_t j = lo; j < hmin;) {
+        const int64_t end = run_end(R, j, hmin);
+        const float *vp = R->v + head + phys(R, r0, j) * hd;
+#ifdef VS_AVX2
+        if (vec) pv_multi(op, nq, vp, hd, (const float *const *)sp, j - lo, end - j, inv, hd);
+        else
+#endif
+            for (int64_t i = 0; i < nq; i++) pv_rows(op[i], vp, hd, sp[i] + (j - lo), end - j, inv[i], hd, vec);
+        j = end;
+    }
+    for (int64_t i = 0; i < nq; i++) { /* each row's own keys: the rest of its range, then its tree bits */
+        const int64_t r = r0 + i / g;
+        for (int64_t j = hmin; j < R->hi[r];) {
+            const int64_t end = run_end(R, j, R->hi[r]);
+            pv_rows(op[i], R->v + head + phys(R, r, j) * hd, hd, sp[i] + (j - lo), end - j, inv[i], hd, vec);
             j = end;
         }
-        int64_t i = hi - lo;
-        for (uint64_t m = anc; m; m &= m - 1, i++)
-            pv_rows(o, R->v + head + phys(R, r, hi + __builtin_ctzll(m)) * hd, hd, p + i, 1, inv[a], hd, vec);
+        int64_t t = R->hi[r] - lo;
+        for (uint64_t m = R->anc[r]; m; m &= m - 1, t++)
+            pv_rows(op[i], R->v + head + phys(R, r, R->hi[r] + __builtin_ctzll(m)) * hd, hd, sp[i] + t, 1, inv[i], hd,
+                    vec);
     }
 }
 
-/* the attention of N rows' H heads (G = H / KH per kv head) from qkv [N, (H + 2 KH) hd] into att [N, H hd] */
+/* the attention of N rows' H heads (G = H / KH per kv head) from qkv [N, (H + 2 KH) hd] into att [N, H hd].
+ * A task: up to `rb` consecutive rows of one sequence (same cache addressing, keys from the same lo) and g query
+ * heads sharing a kv head. rb and g are chosen from the shapes and the thread count alone (each query's bits are
+ * the same whatever its task): whole sequences and whole head groups where that gives each thread two tasks, else
+ * sequences split into shorter runs of rows, then one head per task */
 static int attend_rows(const vs_rows *R, const float *qkv, int64_t N, int64_t H, int64_t KH, int64_t hd,
                        int64_t window, float scale, float *att, int nthreads) {
     const int64_t W = (H + 2 * KH) * hd, G = H / KH;
-    int64_t most = 1, work = 0;
+    int64_t most = 1, work = 0, longest = 1, run = 0;
     for (int64_t r = 0; r < N; r++) {
         const int64_t count = R->hi[r] - row_lo(R, r, window) + __builtin_popcountll(R->anc[r]);
         most = count > most ? count : most;
         work += count;
+        run = r && R->base[r] == R->base[r - 1] && R->toff[r] == R->toff[r - 1] ? run + 1 : 1;
+        longest = run > longest ? run : longest;
     }
 #ifdef VS_AVX2
     const int vec = hd % 8 == 0;
 #else
     const int vec = 0;
 #endif
-    /* a task: g query heads sharing a kv head (its whole group where there are enough tasks for the threads,
-     * else one head each); the same bits either way */
-    const int64_t g = G <= 64 && N * KH >= 2 * nthreads ? G : 1, T = N * H / g;
+    const int64_t g = G <= MAXQ ? G : 1;
+    int64_t rb = longest < MAXQ / g ? longest : MAXQ / g, T = 0;
+    rb = rb < attention_rows ? rb : attention_rows;
+    int64_t *task = malloc((size_t)(2 * N + 1) * sizeof(int64_t)); /* each task's first row and row count */
+    if (!task) return -2;
+    for (;;) { /* the sequences' runs of rows, split into near-equal parts of at most rb rows */
+        T = 0;
+        for (int64_t r = 0; r < N;) {
+            const int64_t lo = row_lo(R, r, window);
+            int64_t e = r + 1;
+            while (e < N && R->base[e] == R->base[r] && R->toff[e] == R->toff[r] && row_lo(R, e, window) == lo) e++;
+            const int64_t parts = (e - r + rb - 1) / rb;
+            for (int64_t p = 0; p < parts; p++) {
+                const int64_t a = r + (e - r) * p / parts, b = r + (e - r) * (p + 1) / parts;
+                task[2 * T] = a, task[2 * T + 1] = b - a, T++;
+            }
+            r = e;
+        }
+        if (rb == 1 || T * KH >= 2 * nthreads) break;
+        rb = (rb + 1) / 2;
+    }
+    const int64_t gt = T * KH >= 2 * nthreads ? g : 1, per = H / gt; /* query heads per task; tasks per row run */
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (work * H * hd > (1 << 17))
     {
-        float *s = malloc((size_t)(most * g) * sizeof(float));
+        float *s = malloc((size_t)(most * rb * gt) * sizeof(float));
         if (!s) failed = 1;
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T; i++) {
+        #pragma omp for schedule(static) /* head groups outermost: a thread's tasks share kv heads */
+        for (int64_t i = 0; i < T * per; i++) {
             if (!s) continue;
-            const int64_t r = i / (H / g), a = i % (H / g) * g; /* row, first query head */
-            attend_heads(R, r, a / G, qkv + r * W + a * hd, g, row_lo(R, r, window), R->hi[r], R->anc[r], hd, scale,
-                         s, att + (r * H + a) * hd, vec);
+            const int64_t t = i % T, a = i / T * gt, r0 = task[2 * t], n = task[2 * t + 1];
+            attend_task(R, qkv, W, H, r0, n, a / G, a, gt, row_lo(R, r0, window), hd, scale, s, most, att, vec);
         }
         free(s);
     }
+    free(task);
     return failed ? -2 : 0;
 }
 
