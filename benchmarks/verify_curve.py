@@ -13,15 +13,19 @@ path `LLM(dtype="auto")` picks for plain decoding and for k = 8 drafts, from its
 AVX-512 VNNI where the CPU has it), as rows `gguf-q8act[BODY]` interleaved with the rest, and checks that every
 body's logits are bitwise those of the body the kernel chose; `--prefetch` runs it once per level the AVX-512
 body's weight streams are fetched ahead to (rows `gguf-q8act[l1]`, `gguf-q8act[l2]`; the loader times both and
-keeps the faster); `--paths` limits the paths (e.g. gguf-q8act); `--ms` the block sizes.
+keeps the faster); `--attention-rows 1` runs it with each row's attention reading its keys alone (row
+`gguf-q8act[rows=1]`) beside the default, where a task reads each key once for up to 64 rows of a sequence (the
+same bits: checked before timing); `--paths` limits the paths (e.g. gguf-q8act); `--ms` the block sizes.
 
     python benchmarks/verify_curve.py --paths gguf-q8act --prefetch --ms 1,2,3,4,5,6,8,16 --repeats 15
+    python benchmarks/verify_curve.py --paths gguf-q8act --attention-rows 1 --ms 1,2,4,8,16 --repeats 40
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -50,18 +54,18 @@ def forward_ms(model: LlamaModel, cache, slot: int, ids: torch.Tensor, context: 
     return ms
 
 
-def check_same_logits(model: LlamaModel, lib, body: str, ids: torch.Tensor) -> None:
-    """The model's logits over a short prompt and a block of 8 after it, with `body` and with the chosen body:
-    bitwise equal, or the benchmark stops (it would be comparing two arithmetics)."""
+def check_same_logits(model: LlamaModel, setting, what: str, ids: torch.Tensor) -> None:
+    """The model's logits over a short prompt and a block of 8 after it, as the loader set the kernel and inside
+    `setting()`: bitwise equal, or the benchmark stops (it would be comparing two arithmetics)."""
     outs = []
-    for b in (lib.body, body):
-        with lib.running(b):
+    for ctx in (contextlib.nullcontext, setting):
+        with ctx():
             cache = model.new_cache(64)
             slot = cache.allocate()
             model.prefill(ids[:40], cache, slot)
             outs.append(model(ids[40:48], [Segment(slot, 40, 8)], cache, logits_indices=range(8)).logits)
     if not torch.equal(outs[0], outs[1]):
-        raise SystemExit(f"the {body} body's logits differ from the {lib.body} body's: not the same arithmetic")
+        raise SystemExit(f"{what}: the logits differ from the loader's setting: not the same arithmetic")
 
 
 def main() -> None:
@@ -73,6 +77,8 @@ def main() -> None:
     ap.add_argument("--bodies", action="store_true", help="gguf-q8act once per matmul body built here")
     ap.add_argument("--prefetch", action="store_true",
                     help="gguf-q8act once per prefetch level of the AVX-512 body's weight streams (l1, l2)")
+    ap.add_argument("--attention-rows", default=None,
+                    help="gguf-q8act also with at most N rows of a sequence per attention task (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="block sizes M (must include 1 and 8)")
     ap.add_argument("--paths", default=None, help="comma-separated path names (default: every candidate)")
     args = ap.parse_args()
@@ -86,20 +92,25 @@ def main() -> None:
     models = {p.name: load_model(resolved, dtype=p.dtype, quantization=p.quantization, progress=False)[0]
               for p in paths}
     ids = torch.arange(args.context + max(ms_list)) * 7 % cfg.vocab_size  # [context + max M]
-    bodies = {}  # row name -> (model name, body, prefetch level)
-    if (args.bodies or args.prefetch) and "gguf-q8act" in models:
+    bodies = {}  # row name -> (model name, the kernel setting it runs inside)
+    if (args.bodies or args.prefetch or args.attention_rows) and "gguf-q8act" in models:
         from verispec.execution.cpu_kernels import PREFETCH_LEVELS, load
 
         lib = load()
         print(f"verispec's kernel: {lib.describe()}")
         for b in lib.bodies if args.bodies else ():
             if b != "portable":
-                bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", b, None)
-                check_same_logits(models["gguf-q8act"], lib, b, ids)
+                bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", functools.partial(lib.running, b))
+                check_same_logits(models["gguf-q8act"], bodies[f"gguf-q8act[{b}]"][1], f"body {b}", ids)
         if args.prefetch and lib.body != "avx512-vnni":
             raise SystemExit(f"--prefetch: the {lib.body} body runs here, and only the AVX-512 one has the levels")
         for level in PREFETCH_LEVELS if args.prefetch else ():
-            bodies[f"gguf-q8act[{level}]"] = ("gguf-q8act", None, level)
+            bodies[f"gguf-q8act[{level}]"] = ("gguf-q8act", functools.partial(lib.prefetching, level))
+        for rows in map(int, args.attention_rows.split(",")) if args.attention_rows else ():
+            bodies[f"gguf-q8act[rows={rows}]"] = ("gguf-q8act", functools.partial(lib.attending_rows, rows))
+            check_same_logits(models["gguf-q8act"], bodies[f"gguf-q8act[rows={rows}]"][1], f"rows={rows}", ids)
+        if args.attention_rows and not (args.bodies or args.prefetch):
+            bodies["gguf-q8act"] = ("gguf-q8act", contextlib.nullcontext)
     for m in models.values():  # as the engine runs them: per-query attention where the linears are invariant
         m.batch_invariant = all(linears_row_invariant(m).values())
     caches = {}
@@ -108,7 +119,7 @@ def main() -> None:
         slot = cache.allocate()
         m.prefill(ids[: args.context], cache, slot)
         caches[name] = (cache, slot)
-    rows = {n: (n, None, None) for n in models if not (bodies and n == "gguf-q8act")} | bodies
+    rows = {n: (n, contextlib.nullcontext) for n in models if not (bodies and n == "gguf-q8act")} | bodies
     times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in ms_list} for n in rows}
     names = list(rows)
     load = MachineLoad().start()
@@ -116,8 +127,8 @@ def main() -> None:
         for m in ms_list:
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
-                name, body, level = rows[n]
-                with lib.running(body) if body else lib.prefetching(level) if level else contextlib.nullcontext():
+                name, setting = rows[n]
+                with setting():
                     ms = forward_ms(models[name], *caches[name], ids, args.context, m)
                 if r:
                     times[n][m].append(ms)
