@@ -13,19 +13,28 @@ of one stream, prefill included (`pooled` per repeat: all tokens / all seconds o
 divided by plain's; `decode only` leaves each request's prefill out); baseline: plain decoding on the same
 prompts in the same repeat.
 
+`--learned` adds the shipped learned drafters (EAGLE-3, DFlash, DSpark; K up to 4 under dspark) for the issue's
+other two bars (none below x0.95 of plain on chat, EAGLE-3 at least x1.2 on code), and EAGLE-3 attached but never
+asked to draft: what keeping a learned drafter beside the target costs when the policy turns it off.
+
     python benchmarks/best_config.py --limit 30 --repeats 2      (about 6 minutes on a 2-core CPU)
-    python benchmarks/best_config.py --workloads code,chat --limit 10
+    python benchmarks/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
 """
 
 from __future__ import annotations
 
+import sys
+
 from verispec import LLM
 from verispec.bench.interleave import compare_arms
+from verispec.bench.single import method_spec
 
 STRUCTURED = "json_records,templates,markdown"
+LEARNED = ("eagle3", "dflash", "dspark")
+LEARNED_K = 4  # most draft tokens per step for the learned drafters (their speed's best in earlier runs)
 
 
-def arms(base: LLM, k: int) -> dict[str, LLM]:
+def model_free_arms(base: LLM, k: int) -> dict[str, LLM]:
     out: dict[str, LLM] = {"plain": base}
     for method in ("ngram", "suffix"):
         out[f"{method}, dspark"] = base.with_speculation({"method": method, "num_speculative_tokens": k})
@@ -34,13 +43,23 @@ def arms(base: LLM, k: int) -> dict[str, LLM]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    import sys
+def learned_arms(base: LLM, k: int) -> dict[str, LLM]:
+    out: dict[str, LLM] = {"plain": base}
+    for method in LEARNED:
+        out[method] = base.with_speculation(method_spec(method, LEARNED_K))
+    never = base.with_speculation(method_spec("eagle3", LEARNED_K))
+    never.engine.policy.draft_lengths = lambda cands, base_tokens: [0] * len(cands)
+    out["eagle3, never drafts"] = never
+    return out
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    learned = "--learned" in argv
+    argv = [a for a in argv if a != "--learned"]
     if "--workloads" not in argv:
-        argv += ["--workloads", STRUCTURED]
-    return compare_arms(__doc__, arms, argv, default_limit=10)
+        argv += ["--workloads", "chat,code" if learned else STRUCTURED]
+    return compare_arms(__doc__, learned_arms if learned else model_free_arms, argv, default_limit=10)
 
 
 if __name__ == "__main__":
