@@ -9,6 +9,9 @@ model's own runs on the kernel are in tests/test_q8act.py (independent reference
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -25,6 +28,20 @@ from verispec.execution.decoder_kernel import DecoderKernel  # noqa: E402
 from verispec.execution.q8act import Q8ActWeight  # noqa: E402
 from verispec.models.llama import LlamaModel, Segment  # noqa: E402
 from tests.test_q8act import dense, quantised, random_raw  # noqa: E402
+
+
+@contextlib.contextmanager
+def two_sequences(model: LlamaModel, paged: bool, use_kernel: bool, length: int, blocks: int,
+                  block_size: int) -> Iterator[tuple[object, int, int]]:
+    """A cache for two sequences (paged: `blocks` blocks of `block_size`; else two slots of `length`) and their
+    slots, with the model on its one-call decoder (`use_kernel`) or layer by layer inside the block."""
+    kernel = model.decoder_kernel
+    model.decoder_kernel = kernel if use_kernel else None
+    try:
+        cache = model.new_paged_cache(length, blocks, block_size, 2) if paged else model.new_cache(length, 2)
+        yield cache, cache.allocate(), cache.allocate()
+    finally:
+        model.decoder_kernel = kernel
 
 CFG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, sliding_window=6,
@@ -56,11 +73,7 @@ def model() -> LlamaModel:
 def steps(model: LlamaModel, paged: bool, use_kernel: bool) -> tuple[list[torch.Tensor], object]:
     """Two prompts (13 and 7 tokens), then forwards of both sequences together (3 + 1, 1 + 2, 1 + 1 tokens), each
     committed but for one rejected row; every row's logits, two layers' inputs; the cache at the end."""
-    kernel = model.decoder_kernel
-    model.decoder_kernel = kernel if use_kernel else None
-    try:
-        cache = model.new_paged_cache(64, 24, 4, 2) if paged else model.new_cache(64, 2)
-        a, b = cache.allocate(), cache.allocate()
+    with two_sequences(model, paged, use_kernel, 64, 24, 4) as (cache, a, b):
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, CFG.vocab_size, (40,), generator=g)
         outs = []
@@ -78,8 +91,6 @@ def steps(model: LlamaModel, paged: bool, use_kernel: bool) -> tuple[list[torch.
             cache.commit(a, max(1, na - 1))  # the last drafted row of a rejected
             cache.commit(b, nb)
         return outs, cache
-    finally:
-        model.decoder_kernel = kernel
 
 
 @pytest.mark.parametrize("paged", [True, False])
@@ -181,11 +192,7 @@ TREE = (-1, -1, 0, 0, 1, 3)  # two children of the root, two under the first, on
 def tree_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.Tensor]:
     """A prompt per sequence, then one forward of a draft tree (7 rows) for sequence a beside a chain of 2 for b,
     and one of a tree for b alone: every row's logits and layer 1's input."""
-    kernel = model.decoder_kernel
-    model.decoder_kernel = kernel if use_kernel else None
-    try:
-        cache = model.new_paged_cache(64, 24, 4, 2) if paged else model.new_cache(64, 2)
-        a, b = cache.allocate(), cache.allocate()
+    with two_sequences(model, paged, use_kernel, 64, 24, 4) as (cache, a, b):
         ids = torch.arange(40) * 11 % CFG.vocab_size
         model.prefill(ids[:13], cache, a)
         model.prefill(ids[13:22], cache, b)
@@ -195,8 +202,6 @@ def tree_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.T
         cache.commit(b, 2)
         o2 = model(ids[31:38], [Segment(b, 11, 7, tree=TREE)], cache, logits_indices=range(7), capture_layers=(1,))
         return [o1.logits, o1.hidden[1], o2.logits, o2.hidden[1]]
-    finally:
-        model.decoder_kernel = kernel
 
 
 @pytest.mark.parametrize("paged", [True, False])
@@ -211,11 +216,7 @@ def long_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.T
     """Longer contexts (45 and 30 prompt tokens): a chain of 9 rows beside a tree, then a chain of 5 beside a chain
     of 3: in the one-call decoder a sequence's rows are attended together over their shared keys, several query
     heads per key read, in runs of 16 (paged) or one run (slot cache); every row's logits and layer 2's input."""
-    kernel = model.decoder_kernel
-    model.decoder_kernel = kernel if use_kernel else None
-    try:
-        cache = model.new_paged_cache(128, 20, 16, 2) if paged else model.new_cache(128, 2)
-        a, b = cache.allocate(), cache.allocate()
+    with two_sequences(model, paged, use_kernel, 128, 20, 16) as (cache, a, b):
         ids = torch.arange(120) * 13 % CFG.vocab_size
         outs = [model.prefill(ids[:45], cache, a, logits_indices=range(45)).logits,
                 model.prefill(ids[45:75], cache, b, logits_indices=range(30)).logits]
@@ -226,8 +227,6 @@ def long_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.T
         cache.commit_rows(b, [0, 1, 3])
         o = model(ids[91:99], [Segment(b, 33, 3), Segment(a, 52, 5)], cache, logits_indices=range(8))
         return outs + [o.logits]
-    finally:
-        model.decoder_kernel = kernel
 
 
 @pytest.mark.parametrize("paged", [True, False])
