@@ -98,17 +98,22 @@ def main() -> None:
 
         lib = load()
         print(f"verispec's kernel: {lib.describe()}")
+
+        def variant(tag: str, setting, check: bool = True) -> None:
+            """A row `gguf-q8act[tag]` run inside `setting()`, its logits checked against the loader's setting."""
+            bodies[f"gguf-q8act[{tag}]"] = ("gguf-q8act", setting)
+            if check:
+                check_same_logits(models["gguf-q8act"], setting, tag, ids)
+
         for b in lib.bodies if args.bodies else ():
             if b != "portable":
-                bodies[f"gguf-q8act[{b}]"] = ("gguf-q8act", functools.partial(lib.running, b))
-                check_same_logits(models["gguf-q8act"], bodies[f"gguf-q8act[{b}]"][1], f"body {b}", ids)
+                variant(b, functools.partial(lib.running, b))
         if args.prefetch and lib.body != "avx512-vnni":
             raise SystemExit(f"--prefetch: the {lib.body} body runs here, and only the AVX-512 one has the levels")
-        for level in PREFETCH_LEVELS if args.prefetch else ():
-            bodies[f"gguf-q8act[{level}]"] = ("gguf-q8act", functools.partial(lib.prefetching, level))
+        for level in PREFETCH_LEVELS if args.prefetch else ():  # the levels' bits are held equal by the tests
+            variant(level, functools.partial(lib.prefetching, level), check=False)
         for rows in map(int, args.attention_rows.split(",")) if args.attention_rows else ():
-            bodies[f"gguf-q8act[rows={rows}]"] = ("gguf-q8act", functools.partial(lib.attending_rows, rows))
-            check_same_logits(models["gguf-q8act"], bodies[f"gguf-q8act[rows={rows}]"][1], f"rows={rows}", ids)
+            variant(f"rows={rows}", functools.partial(lib.attending_rows, rows))
         if args.attention_rows and not (args.bodies or args.prefetch):
             bodies["gguf-q8act"] = ("gguf-q8act", contextlib.nullcontext)
     for m in models.values():  # as the engine runs them: per-query attention where the linears are invariant
