@@ -2,7 +2,8 @@
 
 Conditions (MEASURE.md): concurrency C in a closed loop (C requests decode at once; a finished one is replaced
 from the pool until the pool is empty); metric = aggregate output tok/s (all output tokens of the level / wall
-time of the level); baseline = speculation off (method none) at the same concurrency, same prompts, same run.
+time of the level); baseline = speculation off (method none) at the same concurrency, same prompts, same run;
+each ratio is the median of the per-repeat ratios (off and the policy paired within a repeat), with their range.
 The prompts are the shipped workloads, mixed (C * --per-slot of them per level, round-robin over the sets),
 greedy. At every level the policies run interleaved, in an order that rotates per repeat. Outputs are compared
 with speculation off: identical or a near-tie divergence, else it is flagged.
@@ -101,17 +102,24 @@ def main(argv=None) -> int:
     for conc in levels:
         row = results[conc]
         med = {n: statistics.median(x["tok_per_s"] for x in row[n]) for n, _, _ in arms}
-        ratios = {n: statistics.median(x["ratio"] for x in row[n]) for n, _, _ in arms[1:]}
+        ratios = {n: _spread([x["ratio"] for x in row[n]]) for n, _, _ in arms[1:]}
         taus = ", ".join(f"{statistics.median(x['tau'] for x in row[n]):.2f}" for n, _, _ in arms[1:])
         ident = "; ".join(f"{n} {row[n][-1]['identical']}" for n, _, _ in arms[1:])
         print(f"| {conc} | " + " | ".join(f"{med[n]:.1f}" for n, _, _ in arms) + " | "
-              + " | ".join(f"x{ratios[n]:.2f}" for n, _, _ in arms[1:]) + f" | {taus} | {ident} |")
+              + " | ".join(ratios[n] for n, _, _ in arms[1:]) + f" | {taus} | {ident} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(c): v for c, v in results.items()}, f, indent=1)
     if args.plot:
         plot(results, levels, [n for n, _, _ in arms], args)
     return 0
+
+
+def _spread(ratios: list[float]) -> str:
+    """The median of the paired per-repeat ratios, with their range beside it when there are several (MEASURE.md:
+    median and spread over repeats)."""
+    med = f"x{statistics.median(ratios):.2f}"
+    return med if len(ratios) < 2 else f"{med} ({min(ratios):.2f}..{max(ratios):.2f})"
 
 
 def plot(results, levels, names, args) -> None:
