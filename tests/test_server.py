@@ -328,22 +328,34 @@ def test_spec_metrics_equal_engine_snapshot_and_output_equals_hf(tiny_dir: Path,
 
 
 # ---- a live server: disconnects and many requests --------------------------------------------------------------
-def test_cli_serve_announces_url_and_stops_on_sigterm(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("caching", [[], ["--no-enable-prefix-caching"]], ids=["default", "no-prefix-caching"])
+def test_cli_serve_announces_url_and_stops_on_sigterm(tiny_dir: Path, caching: list[str]) -> None:
+    """`verispec serve` prints its URL once bound, answers, shares a prompt prefix between requests unless told not
+    to (prefix caching is on by default, as in vLLM's V1 engine), and exits on SIGTERM."""
     import signal
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "verispec.cli", "serve", "--model", str(tiny_dir), "--port", "0", "--device", "cpu",
-           "--api-key", "k", "--max-num-seqs", "2", "--scheduler", "static", "--log-level", "warning"]
+           "--api-key", "k", "--max-num-seqs", "2", "--scheduler", "static", "--log-level", "warning", *caching]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()  # the first line printed is the announcement, once the socket is bound
         assert line.startswith("verispec: serving ") and " at http://127.0.0.1:" in line, line
         url = line.split(" at ", 1)[1].split()[0]
         assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+        auth = {"Authorization": "Bearer k"}
         r = httpx.post(url + "/completions", json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
-                       headers={"Authorization": "Bearer k"}, timeout=30)
+                       headers=auth, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        shared = [5 + i % 40 for i in range(40)]  # two full 16-token blocks, then a different tail per request
+        for tail in ([7, 8], [9, 10]):
+            r = httpx.post(url + "/completions", json={"prompt": shared + tail, "max_tokens": 2}, headers=auth,
+                           timeout=30)
+            assert r.status_code == 200
+        m = httpx.get(url.removesuffix("/v1") + "/metrics", headers=auth, timeout=30).text
+        hits = [float(x.split()[-1]) for x in m.splitlines() if x.startswith("verispec:prefix_cache_hits_total")]
+        assert hits == [0.0 if caching else 32.0], hits
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) in (0, -signal.SIGTERM)
     finally:

@@ -134,8 +134,10 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="memory for the paged KV cache (default: max-num-seqs x max-model-len "
                             "positions, at most 4 GiB)")
     serve.add_argument("--block-size", type=int, default=16, help="positions per KV block (default: %(default)s)")
-    serve.add_argument("--enable-prefix-caching", action="store_true",
-                       help="share the KV blocks of identical prompt prefixes (system prompts) between requests")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="share the KV blocks of identical prompt prefixes (system prompts, few-shot headers) "
+                            "between requests, as vLLM's V1 engine does by default; not for EAGLE-3 / DFlash / "
+                            "DSpark, which need every prompt position's hidden state (default: on)")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="requests that may queue beyond those; more get 503 + Retry-After (default: %(default)s)")
     serve.add_argument("--max-request-bytes", type=int, default=None,
