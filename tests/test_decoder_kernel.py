@@ -43,6 +43,20 @@ def two_sequences(model: LlamaModel, paged: bool, use_kernel: bool, length: int,
     finally:
         model.decoder_kernel = kernel
 
+@contextlib.contextmanager
+def kv_dtype(model: LlamaModel, dtype: torch.dtype) -> Iterator[None]:
+    """The model's caches in `dtype` inside the block (`LLM(kv_cache_dtype=...)`)."""
+    old, model.kv_cache_dtype = model.kv_cache_dtype, dtype
+    try:
+        yield
+    finally:
+        model.kv_cache_dtype = old
+
+
+# a float16 cache: the one-call decoder rounds K/V as it writes them (its own conversion) and reads them into float32,
+# the layer-by-layer forward lets torch round them (`.to(float16)`) and reads them with `.to(float32)`
+KV = pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32kv", "fp16kv"])
+
 CFG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, sliding_window=6,
                   sliding_layers=(True, False, True), max_position_embeddings=256, tie_word_embeddings=True)
@@ -93,10 +107,13 @@ def steps(model: LlamaModel, paged: bool, use_kernel: bool) -> tuple[list[torch.
         return outs, cache
 
 
+@KV
 @pytest.mark.parametrize("paged", [True, False])
-def test_one_call_equals_the_layer_by_layer_forward_bitwise(model: LlamaModel, paged: bool) -> None:
-    ours, cache = steps(model, paged, True)
-    ref, ref_cache = steps(model, paged, False)
+def test_one_call_equals_the_layer_by_layer_forward_bitwise(model: LlamaModel, paged: bool, kv: torch.dtype) -> None:
+    with kv_dtype(model, kv):
+        ours, cache = steps(model, paged, True)
+        ref, ref_cache = steps(model, paged, False)
+    assert cache.k[0].dtype is ref_cache.k[0].dtype is kv
     for i, (x, y) in enumerate(zip(ours, ref)):
         assert torch.equal(x, y), (i, (x - y).abs().max())
     for x, y in zip(ours_kv(cache), ours_kv(ref_cache)):  # the same K/V at the same places
@@ -204,12 +221,15 @@ def tree_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.T
         return [o1.logits, o1.hidden[1], o2.logits, o2.hidden[1]]
 
 
+@KV
 @pytest.mark.parametrize("paged", [True, False])
-def test_draft_trees_in_one_call_equal_the_layer_by_layer_forward_bitwise(model: LlamaModel, paged: bool) -> None:
+def test_draft_trees_in_one_call_equal_the_layer_by_layer_forward_bitwise(model: LlamaModel, paged: bool,
+                                                                          kv: torch.dtype) -> None:
     """Tree rows attend to the context (inside the window of their RoPE position), their ancestors and themselves."""
-    assert model.decoder_kernel.covers([Segment(0, 0, 7, tree=TREE)], model.new_cache(16))
-    for i, (x, y) in enumerate(zip(tree_steps(model, paged, True), tree_steps(model, paged, False))):
-        assert torch.equal(x, y), (i, (x - y).abs().max())
+    with kv_dtype(model, kv):
+        assert model.decoder_kernel.covers([Segment(0, 0, 7, tree=TREE)], model.new_cache(16))
+        for i, (x, y) in enumerate(zip(tree_steps(model, paged, True), tree_steps(model, paged, False))):
+            assert torch.equal(x, y), (i, (x - y).abs().max())
 
 
 def long_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.Tensor]:
@@ -229,11 +249,40 @@ def long_steps(model: LlamaModel, paged: bool, use_kernel: bool) -> list[torch.T
         return outs + [o.logits]
 
 
+@KV
 @pytest.mark.parametrize("paged", [True, False])
-def test_rows_attended_together_over_long_contexts_equal_the_layer_by_layer_forward(model: LlamaModel,
-                                                                                    paged: bool) -> None:
-    for i, (x, y) in enumerate(zip(long_steps(model, paged, True), long_steps(model, paged, False))):
-        assert torch.equal(x, y), (i, (x - y).abs().max())
+def test_rows_attended_together_over_long_contexts_equal_the_layer_by_layer_forward(model: LlamaModel, paged: bool,
+                                                                                    kv: torch.dtype) -> None:
+    with kv_dtype(model, kv):
+        for i, (x, y) in enumerate(zip(long_steps(model, paged, True), long_steps(model, paged, False))):
+            assert torch.equal(x, y), (i, (x - y).abs().max())
+
+
+def test_a_float16_cache_changes_the_logits_as_rounding_k_and_v_does_and_no_more(model: LlamaModel) -> None:
+    """Against a float32 cache the float16 one moves the logits (its K/V are rounded), but only by what rounding
+    K/V to 11 significant bits can: far less than the logits' own spread."""
+    full = long_steps(model, True, True)
+    with kv_dtype(model, torch.float16):
+        half = long_steps(model, True, True)
+    moved = max((x - y).abs().max().item() for x, y in zip(full, half))
+    spread = max(x.abs().max().item() for x in full)
+    assert 0 < moved < 1e-2 * spread, (moved, spread)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_the_kernel_rounds_to_float16_as_torch_does(portable: bool) -> None:
+    """The conversion a float16 cache's writes use, against torch's `.to(float16)` bit for bit: ties to even,
+    subnormal halves, the largest half, overflow to inf, signed zeros, across the whole float range."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4000, generator=g) * 10.0 ** torch.randint(-9, 6, (4000,), generator=g),
+                   torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, -70000.0, float("inf"), float("-inf"),
+                                 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, 1 + 2.0**-11, 1 + 3 * 2.0**-11,
+                                 5.9604645e-08, 6.1035156e-05, 6.097555e-05, 1e-40])])
+    got = torch.empty(x.numel(), dtype=torch.int16)
+    assert LIB.lib.vs_to_f16(x.data_ptr(), x.numel(), got.data_ptr(), int(portable)) == 0
+    want = x.to(torch.float16).view(torch.int16)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), int(got[i]), int(want[i])) for i in bad[:5]]
 
 
 def test_how_many_rows_share_a_key_read_changes_no_bit(model: LlamaModel) -> None:
@@ -257,3 +306,5 @@ def test_what_the_call_does_not_cover_goes_layer_by_layer(model: LlamaModel) -> 
     bf16 = model.new_cache(32)
     bf16.k = [t.bfloat16() for t in bf16.k]
     assert not kernel.covers([Segment(0, 0, 4)], bf16)
+    with kv_dtype(model, torch.float16):
+        assert kernel.covers([Segment(0, 0, 4)], model.new_cache(32))

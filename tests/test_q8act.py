@@ -575,3 +575,36 @@ def test_default_model_greedy_speculative_output_is_plain_output(q8act) -> None:
     batched = [o.token_ids for o in spec.chat(msgs, params, use_tqdm=False)]
     assert one == plain and batched == plain
     assert q8act.model.batch_invariant
+
+
+@pytest.mark.slow
+def test_a_float16_kv_cache_keeps_speculation_lossless_and_halves_the_bytes_per_block() -> None:
+    """`kv_cache_dtype="float16"` on the default model: the cache holds float16 K/V, a block takes half the bytes
+    (so the same memory holds twice the blocks), the outputs say so, greedy speculative output (one request and
+    batched) equals plain decoding over the same cache type bit for bit, and the state oracle finds the live float16
+    cache equal to one recomputed from scratch after every step."""
+    from verispec import LLM, SamplingParams
+    from verispec.models.hub import DEFAULT_MODEL
+
+    mem = 64 << 20
+    full = LLM(DEFAULT_MODEL, quantization="gguf-q8act", dtype="float32", max_model_len=512, max_num_seqs=4,
+               progress=False, kv_cache_memory_bytes=mem)
+    half = LLM(DEFAULT_MODEL, quantization="gguf-q8act", dtype="float32", max_model_len=512, max_num_seqs=4,
+               progress=False, kv_cache_memory_bytes=mem, kv_cache_dtype="float16")
+    assert half.cache.k[0].dtype is torch.float16 and full.cache.k[0].dtype is torch.float32
+    assert half.cache.pool.num_blocks == 2 * full.cache.pool.num_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    plain = half.chat(msgs, params, use_tqdm=False)
+    assert all(o.stats["kv_cache_dtype"] == "float16" for o in plain)
+    spec = half.with_speculation({"method": "ngram", "num_speculative_tokens": 6, "adaptive": False})
+    one = [spec.chat([mm], params, use_tqdm=False)[0].token_ids for mm in msgs]
+    batched = [o.token_ids for o in spec.chat(msgs, params, use_tqdm=False)]
+    assert one == [o.token_ids for o in plain] and batched == one
+    checked = half.with_speculation({"method": "ngram", "num_speculative_tokens": 6, "adaptive": False},
+                                    check_state=True)
+    short = SamplingParams(temperature=0.0, max_tokens=12)
+    assert checked.chat(msgs[:1], short, use_tqdm=False)[0].token_ids == one[0][:12]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(DEFAULT_MODEL, quantization="gguf-q8act", dtype="float32", max_model_len=64, progress=False,
+            kv_cache_dtype="int8")

@@ -78,6 +78,10 @@ def default_device() -> str:
 # The default KV budget when max_num_seqs x max_model_len positions would need more (vLLM's CPU backend also
 # defaults to a few GiB): requests then share it and the newest is preempted when it runs out.
 DEFAULT_KV_CACHE_BYTES = 4 << 30
+# what `kv_cache_dtype` names: "auto" keeps K/V in float32 on CPU (the model's dtype elsewhere); "float16" halves what
+# attention reads and what each cached position holds, K/V rounded to nearest even as written (the same in plain and
+# speculative steps, so greedy speculation still equals plain decoding bit for bit)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
 
 class LLM:
@@ -98,14 +102,19 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.device = device or default_device()
         self.resolved = resolve(model, progress)
         spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))  # bad input fails first
         self.path_choice = self._choose_path(self.resolved, dtype, quantization, spec, progress, invariant)
         self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
         self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=progress,
                                    quantization=self.quantization)
+        self.model.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
         self._set_invariance(invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
@@ -248,7 +257,7 @@ class LLM:
         """The engine's paged KV cache: kv_cache_memory_bytes worth of blocks; by default max_num_seqs x
         max_model_len positions' worth, capped at DEFAULT_KV_CACHE_BYTES (but always one full-length request)."""
         c, B = self.model.cfg, self.block_size
-        kv_bytes = 4 if self.model.device.type == "cpu" else self.model.embed.element_size()
+        kv_bytes = torch.empty((), dtype=self.model.kv_dtype).element_size()
         per_block = 2 * c.num_layers * c.num_kv_heads * B * c.head_dim * kv_bytes
         per_request = -(-self.max_model_len // B)
         if self.kv_cache_memory_bytes is None:
@@ -398,6 +407,7 @@ class LLM:
         stats.update(req.spec.as_dict())
         stats["method"] = self.spec.method
         stats.update(self.path_choice.as_dict())
+        stats["kv_cache_dtype"] = self.kv_cache_dtype
         stats["batch_invariant"] = self.model.batch_invariant
         stats["scheduler"] = self.scheduler_name
         return RequestOutput(

@@ -35,6 +35,14 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
                         "greedy output equals plain bitwise. Default: as --dtype auto chooses")
 
 
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="the KV cache's element type. auto (default): float32 on CPU, the model's dtype on CUDA; "
+                        "float16 halves the cache's memory and what attention reads per token (faster at long "
+                        "contexts and many requests), K/V rounded to nearest even when written: outputs can differ "
+                        "from float32's, speculative greedy output still equals plain bitwise")
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="none", choices=SPEC_METHODS,
                    help="speculative drafter (default: none = plain decoding)")
@@ -104,6 +112,7 @@ def _add_models(models: argparse.ArgumentParser) -> None:
 def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' reads stdin)")
     _add_model_args(gen)
+    _add_kv_args(gen)
     _add_spec_args(gen)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message via the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -120,6 +129,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
 
 def _add_serve(serve: argparse.ArgumentParser) -> None:
     _add_model_args(serve)
+    _add_kv_args(serve)
     _add_spec_args(serve)
     serve.add_argument("--scheduler", default="dspark", choices=["static", "goodput", "dspark"],
                        help="how draft lengths are chosen across the batch (default: %(default)s)")
@@ -259,7 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kind, prompt = _build_prompt(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               speculative_config=spec, check_state=args.check_state, quantization=args.quantization,
-              invariant=args.invariant)
+              invariant=args.invariant, kv_cache_dtype=args.kv_cache_dtype)
     streamer = None if args.json else TextStreamer(llm)
     run = llm.chat if kind == "chat" else llm.generate
     out = run(prompt, params, use_tqdm=False, on_tokens=streamer)[0]
@@ -298,7 +308,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
               scheduler=args.scheduler, quantization=args.quantization, invariant=args.invariant,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
     limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
                                 ("shutdown_timeout", args.shutdown_timeout)) if v is not None}

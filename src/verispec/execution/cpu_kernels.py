@@ -272,8 +272,10 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_rope.restype = i32
     f32 = ctypes.c_float
     lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, p, p, p,
-                               i64, i64, p, i64, i32]
+                               i64, i64, p, i64, i32, i32]
     lib.vs_decoder.restype = i32
+    lib.vs_to_f16.argtypes = [p, i64, p, i32]
+    lib.vs_to_f16.restype = i32
     lib.vs_bodies.restype = i32
     lib.vs_set_body.argtypes = [i32]
     lib.vs_set_body.restype = i32

@@ -72,11 +72,12 @@ class DecoderKernel:
 
     def covers(self, segments: Sequence, cache: object) -> bool:
         """Whether a forward over `segments` into `cache` can run here: the weights it was built on, chains or trees
-        of at most TREE_ROWS rows, a float32 CPU cache."""
+        of at most TREE_ROWS rows, a float32 or float16 CPU cache."""
         k0 = cache.k[0]  # type: ignore[attr-defined]
         first = self._first
         same_weights = first.attn_norm is self._built_on[0] and first.qkv.tiles is self._built_on[1]
-        return (same_weights and k0.dtype is torch.float32 and k0.device.type == "cpu" and k0.is_contiguous()
+        return (same_weights and k0.dtype in (torch.float32, torch.float16) and k0.device.type == "cpu"
+                and k0.is_contiguous()
                 and all(s.tree is None or self._tree_fits(s) for s in segments))
 
     def _tree_fits(self, s) -> bool:
@@ -88,7 +89,8 @@ class DecoderKernel:
             capture: Sequence[int] = ()) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
         """x: [N, d] float32, the segments' embedded tokens in segment order, replaced in place by the last layer's
         output; their K/V are written into `cache` (blocks already reserved); cos, sin: [N, (1,) hd] the rows'
-        RoPE. Returns ({layer i: [N, d] the hidden state entering layer i}, for i in `capture` below num_layers,
+        RoPE (a float16 cache: K/V rounded to nearest even as written, as torch's `.half()` rounds, and read back
+        exactly). Returns ({layer i: [N, d] the hidden state entering layer i}, for i in `capture` below num_layers,
         and the [N, k d] buffer those are column views of, in ascending layer order; None when nothing is
         captured): a drafter's features are then one slice of it, not a concatenation per step."""
         c = self.cfg
@@ -103,12 +105,13 @@ class DecoderKernel:
         packed = x.new_empty(n, len(layers) * d) if layers else None
         hidden = {i: packed[:, k * d : (k + 1) * d] for k, i in enumerate(layers)} if packed is not None else {}
         caps = _array(_p, [hidden[i].data_ptr() if i in hidden else 0 for i in range(c.num_layers)]) if hidden else None
+        half = int(cache.k[0].dtype is torch.float16)  # type: ignore[attr-defined]
         rc = self.lib.lib.vs_decoder(
             self._table, c.num_layers, _array(_p, [t.data_ptr() for t in cache.k]),  # type: ignore[attr-defined]
             _array(_p, [t.data_ptr() for t in cache.v]), c.hidden_size, c.num_heads,  # type: ignore[attr-defined]
             c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5, x.data_ptr(), n,
             cos.data_ptr(), sin.data_ptr(), pos, rpos, hi, anc, base, tables, toff, bs, hstride, caps,
-            len(layers) * d, torch.get_num_threads())
+            len(layers) * d, half, torch.get_num_threads())
         if rc:
             raise RuntimeError(f"vs_decoder failed ({'bad shapes' if rc == -1 else 'out of memory'})")
         return hidden, packed

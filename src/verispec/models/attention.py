@@ -54,7 +54,7 @@ class CacheShape:
     num_kv_heads: int
     head_dim: int
     max_len: int  # T: positions per slot (the paged cache: its whole pool, num_blocks B, as one slot)
-    dtype: torch.dtype  # the cache's, which the scores are in
+    dtype: torch.dtype  # the scores': the cache's (float32 over a CPU float16 cache)
     device: torch.device
     block_size: int | None = None  # B of a paged cache (its plans get the block tables)
 
@@ -329,9 +329,9 @@ AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Ten
 
 def attend_group(q: torch.Tensor, g: KeyGroup, ck: torch.Tensor, cv: torch.Tensor,
                  kernel: AttentionKernel | None = None) -> torch.Tensor:
-    """q: [E n, H, hd] the group's rows, entry-major, in the cache's dtype; ck, cv: [slots, K, T, hd] one layer of the
-    cache (already holding this block's K/V) -> [E n, H hd] in the cache's dtype. `kernel`: the CPU attention
-    arithmetic to use instead of torch's batched matmuls (None: torch's)."""
+    """q: [E n, H, hd] the group's rows, entry-major, in the cache's dtype (float32 over a CPU float16 cache); ck, cv:
+    [slots, K, T, hd] one layer of the cache (already holding this block's K/V) -> [E n, H hd] in q's dtype.
+    `kernel`: the CPU attention arithmetic to use instead of torch's batched matmuls (None: torch's)."""
     K, hd, n = ck.shape[1], ck.shape[3], g.n
     E, G = q.shape[0] // n, q.shape[1] // K
     if n == 1:  # one matrix per (entry, KV head): the G query heads sharing it
@@ -339,13 +339,18 @@ def attend_group(q: torch.Tensor, g: KeyGroup, ck: torch.Tensor, cv: torch.Tenso
     else:  # per (entry, KV head) the G n rows ordered (g, i)
         qs = q.reshape(E, n, K, G, hd).permute(0, 2, 3, 1, 4).reshape(E * K, G * n, hd)
     if g.shared:
-        o = _attend_shared(qs.reshape(E, K, G * n, hd), *_view(ck, cv, g), g.bias, kernel)
+        o = _attend_shared(qs.reshape(E, K, G * n, hd), *_in(q.dtype, *_view(ck, cv, g)), g.bias, kernel)
     else:
         keys, vals = _view(ck, cv, g) if g.view is not None else _gather(ck, cv, g)  # [E K, L, hd] each
-        o = _attention(qs, keys, vals, g.bias, kernel)
+        o = _attention(qs, *_in(q.dtype, keys, vals), g.bias, kernel)
     if n == 1:
         return o.reshape(E, K * G * hd)
     return o.reshape(E, K, G, n, hd).permute(0, 3, 1, 2, 4).reshape(E * n, K * G * hd)
+
+
+def _in(dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values in the queries' dtype: a float16 cache's, read into float32 (exactly) on CPU."""
+    return (k, v) if k.dtype is dtype else (k.to(dtype), v.to(dtype))
 
 
 def _view(ck: torch.Tensor, cv: torch.Tensor, g: KeyGroup) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,7 +154,9 @@ class Layer(nn.Module):
         self._write_kv(k, v, ctx)
         plan = ctx.plans[self.window]
         ck, cv = ctx.cache.k[self.index], ctx.cache.v[self.index]  # [slots, K, T, hd]
-        qf = q.to(ck.dtype)  # [N, H, hd]: CPU attends in the cache's fp32; one conversion for every row
+        # [N, H, hd]: CPU attends in the cache's fp32 (a float16 cache's keys are read into fp32 exactly); one
+        # conversion for every row
+        qf = q.to(torch.float32 if ck.dtype is torch.float16 and not ck.is_cuda else ck.dtype)
         if plan.order is not None:
             qf = qf.index_select(0, plan.order)  # the rows grouped
         if len(plan.groups) == 1:
@@ -208,6 +210,8 @@ class LlamaModel(nn.Module):
         # the linears are batch-invariant too
         self.batch_invariant = False
         self._rope_cast: tuple[torch.Tensor, torch.Tensor] | None = None  # the RoPE tables in the model's dtype
+        # the K/V caches' dtype (`LLM(kv_cache_dtype=...)`); None: float32 on CPU, the model's dtype elsewhere
+        self.kv_cache_dtype: torch.dtype | None = None
 
     def set_rope_length(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0 .. n-1, in fp32 on the embedding's device (or meta)."""
@@ -232,13 +236,19 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The K/V caches' dtype: `kv_cache_dtype` where set, else float32 on CPU whatever the weights' dtype
+        (attention runs fastest there in fp32; a float16 cache is read into fp32), the model's dtype elsewhere."""
+        if self.kv_cache_dtype is not None:
+            return self.kv_cache_dtype
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def new_cache(self, max_len: int, num_slots: int = 1) -> KVCache:
         c = self.cfg
         if max_len > self.max_positions:
             raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.max_positions})")
-        # CPU keeps K/V in fp32 whatever the weights' dtype: attention runs fastest there in fp32
-        kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, kv_dtype, self.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, self.kv_dtype, self.device)
 
     def new_paged_cache(self, max_len: int, num_blocks: int, block_size: int = 16, num_slots: int = 1,
                         prefix_caching: bool = False) -> PagedKVCache:
@@ -247,9 +257,8 @@ class LlamaModel(nn.Module):
         c = self.cfg
         if max_len > self.max_positions:
             raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.max_positions})")
-        kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_blocks, block_size, num_slots,
-                            prefix_caching, kv_dtype, self.device)
+                            prefix_caching, self.kv_dtype, self.device)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
@@ -394,7 +403,9 @@ def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cach
     CPU attention and in-place RoPE arithmetic the layers use instead of torch's (None: torch's)."""
     cos, sin = rope
     paged = isinstance(cache, PagedKVCache)
-    shape = CacheShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.span, cache.k[0].dtype, cos.device,
+    kv = cache.k[0].dtype
+    scores = torch.float32 if kv is torch.float16 and cos.device.type == "cpu" else kv  # as `Layer.attend` attends
+    shape = CacheShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.span, scores, cos.device,
                        cache.block_size if paged else None)  # type: ignore[union-attr]
     tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
     plans = {w: plan_attention(segments, w, batch_invariant, shape, tables) for w in _windows(cfg)}

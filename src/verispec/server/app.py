@@ -110,7 +110,8 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
     served = served_model(llm, model_name)
     lifecycle = Lifecycle(shutdown_timeout)
     metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
-                                              "batch_invariant": llm.model.batch_invariant})
+                                              "batch_invariant": llm.model.batch_invariant,
+                                              "kv_cache_dtype": getattr(llm, "kv_cache_dtype", "auto")})
 
     app = FastAPI(title="verispec", lifespan=_lifespan(engine, manage_engine), docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")

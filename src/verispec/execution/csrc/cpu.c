@@ -75,6 +75,47 @@ static float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact */
     return f;
 }
 
+static uint16_t f32_to_f16(float f) { /* IEEE float -> half, round to nearest even (as torch and vcvtps2ph) */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffff;
+    if (ax > 0x7f800000) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff); /* NaN stays NaN (quiet) */
+    if (ax >= 0x477ff000) return sign | 0x7c00; /* at or past 65520 (and inf): inf */
+    /* below 2^-14: a subnormal half, in units of 2^-24, rounded to even (1024: the least normal half) */
+    if (ax < 0x38800000) return sign | (uint16_t)rintf(fabsf(f) * 16777216.0f);
+    return sign | (uint16_t)((ax + 0xc8000fffu + ((ax >> 13) & 1)) >> 13); /* exponent rebased by -112, then RNE */
+}
+
+/* n halves -> floats (exact) and n floats -> halves (round to nearest even): a float16 KV cache's reads and writes */
+static void f16_to_f32_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef VS_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
+
+static void f32_to_f16_row(const float *x, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+#ifdef VS_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) out[i] = f32_to_f16(x[i]);
+}
+
+/* x [n] -> out [n] halves as a float16 KV cache stores them (tests: portable != 0 takes the plain C conversion
+ * for every element, which an AVX2 build otherwise uses only past a multiple of 8) */
+int vs_to_f16(const float *x, int64_t n, uint16_t *out, int portable) {
+    if (portable)
+        for (int64_t i = 0; i < n; i++) out[i] = f32_to_f16(x[i]);
+    else
+        f32_to_f16_row(x, n, out);
+    return 0;
+}
+
 /* one row x [K] (float32, or bfloat16 when x_bf16) -> q [K] int8, s [K/32] scales, ss [K/32] s * sum(q) and qsum
  * [K/32] sum(q): per block
  * of 32, d = amax / 127, q = round-half-even(x * (1 / d)). The AVX2 lines compute the same values: max is exact
@@ -1046,12 +1087,22 @@ typedef struct {
 } vs_layer;
 
 typedef struct {
-    float *k, *v; /* the layer's cache */
+    float *k, *v; /* the layer's cache: float32, or float16 (uint16_t elements) when half */
     const int64_t *pos, *rpos, *hi, *base, *toff;
     const uint64_t *anc;
     const int32_t *tables;
     int64_t bs, hstride;
+    int half;
 } vs_rows;
+
+/* n positions (hd values each) of a layer's K or V cache c from element `at`: the cache's own floats, or, in a
+ * float16 cache, their exact float values converted into tmp [n hd]. Attention then runs on float32 as it does over a
+ * float32 cache holding the same (rounded) values: the same bits, with half the bytes read from memory. */
+static inline const float *kv_read(const vs_rows *R, const float *c, int64_t at, int64_t n, int64_t hd, float *tmp) {
+    if (!R->half) return c + at;
+    f16_to_f32_row((const uint16_t *)(const void *)c + at, n * hd, tmp);
+    return tmp;
+}
 
 static inline int64_t row_lo(const vs_rows *R, int64_t r, int64_t window) { /* never past hi: a count >= 0 */
     const int64_t lo = window && R->rpos[r] - window + 1 > 0 ? R->rpos[r] - window + 1 : 0;
@@ -1062,9 +1113,14 @@ static inline int64_t phys(const vs_rows *R, int64_t r, int64_t j) {
     return (int64_t)R->tables[R->toff[r] + j / R->bs] * R->bs + j % R->bs;
 }
 
-/* the end of the run of consecutive cache positions from j (the rest of j's block), at most hi */
+#define KV_HALF_RUN 32 /* a float16 cache's runs are converted at most this many positions at a time (L1-sized) */
+
+/* the end of the run of consecutive cache positions from j (the rest of j's block), at most hi; in a float16 cache
+ * at most KV_HALF_RUN positions, so that the converted run stays in L1 (each key's score and each value's share of
+ * the sum come out the same however the keys are split into runs: a paged cache splits them at its blocks) */
 static inline int64_t run_end(const vs_rows *R, int64_t j, int64_t hi) {
-    const int64_t end = (j / R->bs + 1) * R->bs;
+    int64_t end = (j / R->bs + 1) * R->bs;
+    if (R->half && end - j > KV_HALF_RUN) end = j + KV_HALF_RUN;
     return end < hi ? end : hi;
 }
 
@@ -1072,14 +1128,14 @@ static inline int64_t run_end(const vs_rows *R, int64_t j, int64_t hi) {
 /* row r's scores against the keys it alone sees: hmin .. hi[r] - 1 (the rest of lo .. hi[r] - 1, in runs) and then
  * hi[r] + each bit of anc[r]; g query heads q [g, hd] of kv head h (a head's scores at s + a ls, from column hmin - lo) */
 static void own_scores(const vs_rows *R, int64_t r, int64_t head, const float *q, int64_t g, int64_t lo,
-                       int64_t hmin, int64_t hd, float scale, float *s, int64_t ls, int vec) {
+                       int64_t hmin, int64_t hd, float scale, float *s, int64_t ls, int vec, float *tmp) {
 #ifndef VS_AVX2
     (void)vec;
 #endif
     int64_t L = R->hi[r] - lo;
     for (int64_t j = hmin; j < R->hi[r];) {
         const int64_t end = run_end(R, j, R->hi[r]);
-        const float *kp = R->k + head + phys(R, r, j) * hd;
+        const float *kp = kv_read(R, R->k, head + phys(R, r, j) * hd, end - j, hd, tmp);
 #ifdef VS_AVX2
         if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, end - j, hd, scale, s + (j - lo), ls);
         else
@@ -1088,7 +1144,7 @@ static void own_scores(const vs_rows *R, int64_t r, int64_t head, const float *q
         j = end;
     }
     for (uint64_t m = R->anc[r]; m; m &= m - 1, L++) { /* a tree node's ancestors and itself */
-        const float *kp = R->k + head + phys(R, r, R->hi[r] + __builtin_ctzll(m)) * hd;
+        const float *kp = kv_read(R, R->k, head + phys(R, r, R->hi[r] + __builtin_ctzll(m)) * hd, 1, hd, tmp);
 #ifdef VS_AVX2
         if (vec) scores_avx2(q, hd, kp, hd, NULL, 0, g, 1, hd, scale, s + L, ls);
         else
@@ -1103,7 +1159,7 @@ static void own_scores(const vs_rows *R, int64_t r, int64_t head, const float *q
  * row and head alone (the same bits): a row's result does not depend on the rows it is computed with */
 static void attend_task(const vs_rows *R, const float *qkv, int64_t W, int64_t H, int64_t r0, int64_t n, int64_t h,
                         int64_t a0, int64_t g, int64_t lo, int64_t hd, float scale, float *s, int64_t ls, float *att,
-                        int vec) {
+                        int vec, float *tmp) {
     const int64_t head = R->base[r0] + h * R->hstride, nq = n * g;
     const float *qp[MAXQ];
     float *sp[MAXQ], *op[MAXQ], inv[MAXQ];
@@ -1117,7 +1173,7 @@ static void attend_task(const vs_rows *R, const float *qkv, int64_t W, int64_t H
     }
     for (int64_t j = lo; j < hmin;) { /* the shared keys, in runs of consecutive positions */
         const int64_t end = run_end(R, j, hmin);
-        const float *kp = R->k + head + phys(R, r0, j) * hd;
+        const float *kp = kv_read(R, R->k, head + phys(R, r0, j) * hd, end - j, hd, tmp);
 #ifdef VS_AVX2
         if (vec) scores_multi(qp, nq, kp, hd, end - j, hd, scale, sp, j - lo);
         else
@@ -1126,7 +1182,7 @@ static void attend_task(const vs_rows *R, const float *qkv, int64_t W, int64_t H
         j = end;
     }
     for (int64_t i = 0; i < n; i++)
-        own_scores(R, r0 + i, head, qp[i * g], g, lo, hmin, hd, scale, sp[i * g], ls, vec);
+        own_scores(R, r0 + i, head, qp[i * g], g, lo, hmin, hd, scale, sp[i * g], ls, vec, tmp);
     for (int64_t i = 0; i < nq; i++) {
         const int64_t r = r0 + i / g;
         inv[i] = softmax_row(sp[i], R->hi[r] - lo + __builtin_popcountll(R->anc[r]), vec);
@@ -1134,7 +1190,7 @@ static void attend_task(const vs_rows *R, const float *qkv, int64_t W, int64_t H
     }
     for (int64_t j = lo; j < hmin;) {
         const int64_t end = run_end(R, j, hmin);
-        const float *vp = R->v + head + phys(R, r0, j) * hd;
+        const float *vp = kv_read(R, R->v, head + phys(R, r0, j) * hd, end - j, hd, tmp);
 #ifdef VS_AVX2
         if (vec) pv_multi(op, nq, vp, hd, (const float *const *)sp, j - lo, end - j, inv, hd);
         else
@@ -1146,13 +1202,14 @@ static void attend_task(const vs_rows *R, const float *qkv, int64_t W, int64_t H
         const int64_t r = r0 + i / g;
         for (int64_t j = hmin; j < R->hi[r];) {
             const int64_t end = run_end(R, j, R->hi[r]);
-            pv_rows(op[i], R->v + head + phys(R, r, j) * hd, hd, sp[i] + (j - lo), end - j, inv[i], hd, vec);
+            pv_rows(op[i], kv_read(R, R->v, head + phys(R, r, j) * hd, end - j, hd, tmp), hd, sp[i] + (j - lo),
+                    end - j, inv[i], hd, vec);
             j = end;
         }
         int64_t t = R->hi[r] - lo;
         for (uint64_t m = R->anc[r]; m; m &= m - 1, t++)
-            pv_rows(op[i], R->v + head + phys(R, r, R->hi[r] + __builtin_ctzll(m)) * hd, hd, sp[i] + t, 1, inv[i], hd,
-                    vec);
+            pv_rows(op[i], kv_read(R, R->v, head + phys(R, r, R->hi[r] + __builtin_ctzll(m)) * hd, 1, hd, tmp), hd,
+                    sp[i] + t, 1, inv[i], hd, vec);
     }
 }
 
@@ -1198,17 +1255,20 @@ static int attend_rows(const vs_rows *R, const float *qkv, int64_t N, int64_t H,
         if (rb == 1 || T * KH >= 2 * nthreads) break;
         rb = (rb + 1) / 2;
     }
-    const int64_t gt = T * KH >= 2 * nthreads ? g : 1, per = H / gt; /* query heads per task; tasks per row run */
+    /* query heads per task (a float16 cache: always the whole group, whose keys are then converted once, not once
+     * per query head) and tasks per row run */
+    const int64_t gt = T * KH >= 2 * nthreads || R->half ? g : 1, per = H / gt;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (work * H * hd > (1 << 17))
     {
-        float *s = malloc((size_t)(most * rb * gt) * sizeof(float));
+        float *s = malloc((size_t)(most * rb * gt + (R->half ? KV_HALF_RUN * hd : 0)) * sizeof(float));
         if (!s) failed = 1;
+        float *tmp = s && R->half ? s + most * rb * gt : NULL; /* a float16 cache's run, converted */
         #pragma omp for schedule(static) /* head groups outermost: a thread's tasks share kv heads */
         for (int64_t i = 0; i < T * per; i++) {
             if (!s) continue;
             const int64_t t = i % T, a = i / T * gt, r0 = task[2 * t], n = task[2 * t + 1];
-            attend_task(R, qkv, W, H, r0, n, a / G, a, gt, row_lo(R, r0, window), hd, scale, s, most, att, vec);
+            attend_task(R, qkv, W, H, r0, n, a / G, a, gt, row_lo(R, r0, window), hd, scale, s, most, att, vec, tmp);
         }
         free(s);
     }
@@ -1222,12 +1282,18 @@ static void write_kv(const vs_rows *R, const float *qkv, int64_t N, int64_t H, i
     for (int64_t r = 0; r < N; r++)
         for (int64_t h = 0; h < KH; h++) {
             const int64_t at = R->base[r] + h * R->hstride + phys(R, r, R->pos[r]) * hd;
+            if (R->half) {
+                f32_to_f16_row(qkv + r * W + (H + h) * hd, hd, (uint16_t *)(void *)R->k + at);
+                f32_to_f16_row(qkv + r * W + (H + KH + h) * hd, hd, (uint16_t *)(void *)R->v + at);
+                continue;
+            }
             memcpy(R->k + at, qkv + r * W + (H + h) * hd, (size_t)hd * sizeof(float));
             memcpy(R->v + at, qkv + r * W + (H + KH + h) * hd, (size_t)hd * sizeof(float));
         }
 }
 
-/* x [N, d] (float32, in place) through layers 0 .. nl - 1; kc, vc: each layer's cache tensors; cos, sin [N, hd]
+/* x [N, d] (float32, in place) through layers 0 .. nl - 1; kc, vc: each layer's cache tensors (float16 when kv_half:
+ * K/V rounded to nearest even when written, read back exactly); cos, sin [N, hd]
  * the rows' RoPE (at rpos); capture: per layer NULL or the first of N rows, cap_ld floats apart (cap_ld >= d: several
  * layers' states side by side in one buffer), that get x as it enters the layer. Returns 0, -1 for bad shapes, -2
  * without memory. */
@@ -1235,7 +1301,7 @@ int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *cons
                int64_t KH, int64_t hd, int64_t I, float eps, float scale, float *x, int64_t N, const float *cos,
                const float *sin, const int64_t *pos, const int64_t *rpos, const int64_t *hi, const uint64_t *anc,
                const int64_t *base, const int32_t *tables, const int64_t *toff, int64_t bs, int64_t hstride,
-               float *const *capture, int64_t cap_ld, int nthreads) {
+               float *const *capture, int64_t cap_ld, int kv_half, int nthreads) {
     if (N <= 0) return 0;
     if (KH <= 0 || H % KH || hd > 512 || hd % 2 || (capture && cap_ld < d)) return -1;
     const int64_t W = (H + 2 * KH) * hd;
@@ -1245,7 +1311,7 @@ int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *cons
     int rc = 0;
     for (int64_t l = 0; l < nl && !rc; l++) {
         const vs_layer *L = layers + l;
-        const vs_rows R = {kc[l], vc[l], pos, rpos, hi, base, toff, anc, tables, bs, hstride};
+        const vs_rows R = {kc[l], vc[l], pos, rpos, hi, base, toff, anc, tables, bs, hstride, kv_half};
         if (capture && capture[l])
             for (int64_t r = 0; r < N; r++) memcpy(capture[l] + r * cap_ld, x + r * d, (size_t)d * sizeof(float));
         rc = vs_linear(L->qkv, L->qkv_kind, W, d, x, 0, N, qkv, 0, nthreads, 0, L->attn_norm, eps, NULL, 0);
