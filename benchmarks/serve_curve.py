@@ -39,6 +39,8 @@ def prompt_pool(llm: LLM, n: int, max_tokens: int) -> list[tuple[list[int], Samp
 def run_level(llm: LLM, spec: dict | None, scheduler: str, conc: int, pool) -> dict:
     llm._set_speculation(spec)
     llm.configure_engine(max_num_seqs=conc, scheduler=scheduler)
+    if llm.enable_prefix_caching:
+        llm.reset_prefix_cache()  # only what this run's own requests share
     if spec is not None and scheduler != "static":
         _ = llm.costs  # profiled once per shape, outside the timed part
     t = time.perf_counter()
@@ -65,10 +67,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--plot", default=None, help="write the curve as a PNG here")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="as `verispec serve` does by default; the cache is emptied before every run, so no run "
+                         "reuses prompts another cached")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"])
     args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=1024, max_num_seqs=max(levels), progress=False)
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=1024, max_num_seqs=max(levels), progress=False,
+              enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     spec = {"method": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
     arms = [("off", None, "static")] + [(p, spec, p) for p in args.policies.split(",")]
     llm._set_speculation(spec)
@@ -92,8 +99,11 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
 
     load.stop()
-    print(f"\n## Serving curve: {args.model}, {args.dtype}, {args.drafter} drafter, K={args.num_speculative_tokens}, "
-          f"greedy, {args.max_tokens} max tokens, shipped workloads mixed, {args.repeats} repeat(s)\n\n"
+    extras = "".join([", prefix caching" if args.enable_prefix_caching else "",
+                      f", {args.kv_cache_dtype} KV" if args.kv_cache_dtype != "auto" else ""])
+    print(f"\n## Serving curve: {args.model}, {args.dtype}{extras}, {args.drafter} drafter, "
+          f"K={args.num_speculative_tokens}, greedy, {args.max_tokens} max tokens, shipped workloads mixed, "
+          f"{args.repeats} repeat(s)\n\n"
           f"{load.describe()}\n")
     print("| concurrency | " + " | ".join(f"{n} tok/s" for n, _, _ in arms) + " | "
           + " | ".join(f"{n} / off" for n, _, _ in arms[1:]) + " | tau (" + ", ".join(n for n, _, _ in arms[1:])

@@ -135,6 +135,22 @@ def test_requests_sharing_a_prompt_that_arrive_together_compute_it_once(tiny):
     assert llm.engine.num_preemptions == 0
 
 
+def test_reset_prefix_cache_makes_the_next_request_prefill_its_whole_prompt(tiny):
+    """After `reset_prefix_cache` a prompt seen before hits nothing (as after a fresh start) and its output is the
+    same; without the reset it hits its cached blocks."""
+    path, hf = tiny
+    llm = _llm(path, max_num_seqs=2, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": SYSTEM + [5, 6]}
+    first = llm.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids
+    hits = llm.cache.prefix_hits
+    assert llm.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
+    assert llm.cache.prefix_hits > hits  # seen before: cached
+    llm.reset_prefix_cache()
+    assert llm.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
+    assert llm.cache.prefix_hits == 0 and llm.cache.prefix_queries == len(SYSTEM) + 2
+    assert first == hf_greedy(hf, SYSTEM + [5, 6], 4)
+
+
 def test_prefix_caching_is_off_for_drafters_that_read_every_prompt_hidden_state(tiny):
     """A feature drafter (EAGLE-3 / DFlash / DSpark) needs the target's hidden states at every prompt position,
     which a prefix hit would skip: the engine does not look prompts up for them."""

@@ -253,6 +253,14 @@ class LLM:
             self._set_speculation(self.spec)
         self._engine = None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block (vLLM's `LLM.reset_prefix_cache`): the next requests prefill their whole
+        prompts, as after a fresh start. For benchmarks that run the same prompts again. Not while requests run."""
+        if self._engine is not None and self._engine.has_work():
+            raise RuntimeError("reset_prefix_cache: requests are still running")
+        self.cache = self._new_cache()
+        self._engine = None
+
     def _new_cache(self) -> PagedKVCache:
         """The engine's paged KV cache: kv_cache_memory_bytes worth of blocks; by default max_num_seqs x
         max_model_len positions' worth, capped at DEFAULT_KV_CACHE_BYTES (but always one full-length request)."""
