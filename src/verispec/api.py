@@ -265,8 +265,7 @@ class LLM:
         """The engine's paged KV cache: kv_cache_memory_bytes worth of blocks; by default max_num_seqs x
         max_model_len positions' worth, capped at DEFAULT_KV_CACHE_BYTES (but always one full-length request)."""
         c, B = self.model.cfg, self.block_size
-        kv_bytes = torch.empty((), dtype=self.model.kv_dtype).element_size()
-        per_block = 2 * c.num_layers * c.num_kv_heads * B * c.head_dim * kv_bytes
+        per_block = 2 * c.num_layers * c.num_kv_heads * B * c.head_dim * self.model.kv_dtype.itemsize
         per_request = -(-self.max_model_len // B)
         if self.kv_cache_memory_bytes is None:
             num_blocks = max(per_request, min(self.max_num_seqs * per_request, DEFAULT_KV_CACHE_BYTES // per_block))

@@ -233,6 +233,33 @@ def _cached_build(cc: str, version: str, flags: tuple[str, ...], cache: Path) ->
     return out
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C functions' argument and result types (csrc/cpu.c), so that ctypes passes 64-bit sizes and pointers."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p, i32]
+    lib.vs_linear.restype = i32
+    lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
+                                 ctypes.c_float, p, i32, i32]
+    lib.vs_attention.restype = i32
+    lib.vs_rope.argtypes = [p, i64, i64, i64, i64, p, p]
+    lib.vs_rope.restype = i32
+    f32 = ctypes.c_float
+    lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, p, p, p,
+                               i64, i64, p, i64, i32, i32]
+    lib.vs_decoder.restype = i32
+    lib.vs_to_f16.argtypes = [p, i64, p, i32]
+    lib.vs_to_f16.restype = i32
+    lib.vs_bodies.restype = i32
+    lib.vs_set_body.argtypes = [i32]
+    lib.vs_set_body.restype = i32
+    lib.vs_set_attention_rows.argtypes = [i32]
+    lib.vs_set_attention_rows.restype = i32
+    lib.vs_set_pair_prefetch.argtypes = [i32]
+    lib.vs_set_pair_prefetch.restype = i32
+    lib.vs_tile_bytes.argtypes = [i32]
+    lib.vs_tile_bytes.restype = i32
+
+
 @functools.cache
 def load(cache: Path | None = None) -> Library:
     """Build (once per machine) and load the kernel. Raises KernelUnavailable with the reason."""
@@ -262,29 +289,7 @@ def load(cache: Path | None = None) -> Library:
         lib = ctypes.CDLL(str(out))
     except OSError as e:
         raise KernelUnavailable(f"built {out} but could not load it: {e}") from e
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p, i32]
-    lib.vs_linear.restype = i32
-    lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, p, i32, i32]
-    lib.vs_attention.restype = i32
-    lib.vs_rope.argtypes = [p, i64, i64, i64, i64, p, p]
-    lib.vs_rope.restype = i32
-    f32 = ctypes.c_float
-    lib.vs_decoder.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, f32, p, i64, p, p, p, p, p, p, p, p, p,
-                               i64, i64, p, i64, i32, i32]
-    lib.vs_decoder.restype = i32
-    lib.vs_to_f16.argtypes = [p, i64, p, i32]
-    lib.vs_to_f16.restype = i32
-    lib.vs_bodies.restype = i32
-    lib.vs_set_body.argtypes = [i32]
-    lib.vs_set_body.restype = i32
-    lib.vs_set_attention_rows.argtypes = [i32]
-    lib.vs_set_attention_rows.restype = i32
-    lib.vs_set_pair_prefetch.argtypes = [i32]
-    lib.vs_set_pair_prefetch.restype = i32
-    lib.vs_tile_bytes.argtypes = [i32]
-    lib.vs_tile_bytes.restype = i32
+    _declare(lib)
     built = tuple(name for name, code in BODIES.items() if lib.vs_bodies() & (1 << code))
     library = Library(lib, out, flags, openmp_marker.exists(), built, built[-1])
     body, choice = choose_body(library)

@@ -327,6 +327,12 @@ def kv_rows(segments: Sequence[SegmentLike], num_kv_heads: int, max_len: int, de
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
+def scores_dtype(cache: torch.dtype, device: torch.device) -> torch.dtype:
+    """What attention computes in over a cache of this dtype: the cache's own, but float32 over a CPU float16
+    cache (its keys and values are read into float32 exactly)."""
+    return torch.float32 if cache is torch.float16 and device.type == "cpu" else cache
+
+
 def attend_group(q: torch.Tensor, g: KeyGroup, ck: torch.Tensor, cv: torch.Tensor,
                  kernel: AttentionKernel | None = None) -> torch.Tensor:
     """q: [E n, H, hd] the group's rows, entry-major, in the cache's dtype (float32 over a CPU float16 cache); ck, cv:

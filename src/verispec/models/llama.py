@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.config import ModelConfig
-from verispec.models.attention import AttentionKernel, AttentionPlan, CacheShape, attend_group, plan_attention
+from verispec.models.attention import (AttentionKernel, AttentionPlan, CacheShape, attend_group, plan_attention,
+                                       scores_dtype)
 from verispec.models.linear import fuses, norm_linear, residual_linear, rms_norm
 from verispec.models.rope import apply_rope, rope_tables
 from verispec.models.tree import depths
@@ -154,9 +155,7 @@ class Layer(nn.Module):
         self._write_kv(k, v, ctx)
         plan = ctx.plans[self.window]
         ck, cv = ctx.cache.k[self.index], ctx.cache.v[self.index]  # [slots, K, T, hd]
-        # [N, H, hd]: CPU attends in the cache's fp32 (a float16 cache's keys are read into fp32 exactly); one
-        # conversion for every row
-        qf = q.to(torch.float32 if ck.dtype is torch.float16 and not ck.is_cuda else ck.dtype)
+        qf = q.to(scores_dtype(ck.dtype, ck.device))  # [N, H, hd]: one conversion for every row
         if plan.order is not None:
             qf = qf.index_select(0, plan.order)  # the rows grouped
         if len(plan.groups) == 1:
@@ -403,9 +402,8 @@ def attention_context(cfg: ModelConfig, segments: Sequence[Segment], cache: Cach
     CPU attention and in-place RoPE arithmetic the layers use instead of torch's (None: torch's)."""
     cos, sin = rope
     paged = isinstance(cache, PagedKVCache)
-    kv = cache.k[0].dtype
-    scores = torch.float32 if kv is torch.float16 and cos.device.type == "cpu" else kv  # as `Layer.attend` attends
-    shape = CacheShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.span, scores, cos.device,
+    shape = CacheShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.span,
+                       scores_dtype(cache.k[0].dtype, cos.device), cos.device,
                        cache.block_size if paged else None)  # type: ignore[union-attr]
     tables = {s.slot: cache.table(s.slot) for s in segments} if paged else None  # type: ignore[union-attr]
     plans = {w: plan_attention(segments, w, batch_invariant, shape, tables) for w in _windows(cfg)}

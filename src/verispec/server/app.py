@@ -111,7 +111,7 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
     lifecycle = Lifecycle(shutdown_timeout)
     metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
                                               "batch_invariant": llm.model.batch_invariant,
-                                              "kv_cache_dtype": getattr(llm, "kv_cache_dtype", "auto")})
+                                              "kv_cache_dtype": llm.kv_cache_dtype})
 
     app = FastAPI(title="verispec", lifespan=_lifespan(engine, manage_engine), docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
