@@ -84,6 +84,31 @@ def test_measured_costs_interpolate_extrapolate_and_clamp():
     assert stalled(8, 1) == 9.0
 
 
+def test_measured_costs_move_only_when_a_median_moves_beyond_the_tolerance():
+    """Forwards whose median moves by under 1% leave the estimates (and `version`, which the policies' memos key
+    on) as they were; a move beyond 1% is taken whole, and so is a drift that adds up past it. Each value is
+    observed a window's worth of times, so the median becomes it."""
+    prior = StepCosts(CostTable((1, 128), (1.0, 128.0)))
+    m = MeasuredStepCosts(prior)
+
+    def settle(sec: float) -> None:
+        for _ in range(m.window):
+            m.observe(1, 1, sec)
+
+    settle(4.0)
+    v = m.version
+    for sec in (4.02, 3.97, 4.039):  # within 1% of 4.0 each: no change
+        settle(sec)
+        assert m(1, 1) == 4.0 and m.version == v
+    settle(4.05)  # 1.25% above the kept 4.0: taken
+    assert m(1, 1) == 4.05 and m.version > v
+    for sec in (4.06, 4.07, 4.08):  # 0.25% steps: 4.08 is 0.74% above 4.05, still inside
+        settle(sec)
+    assert m(1, 1) == 4.05
+    settle(4.1)  # 1.2% above 4.05
+    assert m(1, 1) == 4.1
+
+
 def test_measured_costs_are_the_least_squares_line_and_never_fall():
     prior = StepCosts(CostTable((1, 32, 48, 64), (1.0, 32.0, 48.0, 64.0)))
     m = MeasuredStepCosts(prior, window=1)
