@@ -5,7 +5,8 @@ Conditions:
   - Reference: `fp32` = dense float32 weights dequantised from that GGUF. Paths compared with it: `bf16` (the same
     dense weights cast to bfloat16), `gguf-int4` (`quantization="gguf"`: the GGUF's own Q4_1 blocks on aten's
     int4 kernel, bfloat16 activations) and `gguf-q8act` (the GGUF's own blocks and Q8_0 head on verispec's kernel,
-    activations rounded to int8 per 32 values as llama.cpp does). The `fp32` row is the reference compared with itself (a sanity row).
+    activations rounded to int8 per 32 values as llama.cpp does), and `gguf-q8act-fp16kv` (that path with
+    `kv_cache_dtype="float16"`: K/V rounded to float16 as written, as llama.cpp's default cache is). The `fp32` row is the reference compared with itself (a sanity row).
   - Prompts: the first --limit prompts (default 2) of each shipped workload (default all), chat template applied.
   - Teacher forcing: the reference decodes a greedy continuation of T = --tokens (default 64) tokens
     (ignore_eos, so every continuation has exactly T tokens); then every path runs prompt + continuation in ONE
@@ -24,6 +25,7 @@ Conditions:
     also compared with it (a second table: top-1 agreement and |logit diff| against llama.cpp's logits).
 
     python benchmarks/agreement.py --limit 2 --tokens 64 [--llama-logits ./llama_cpp_logits] --json agreement.json
+    python benchmarks/agreement.py --paths fp32,gguf-q8act,gguf-q8act-fp16kv
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from verispec.bench.workloads import WORKLOADS, load_workload
 
 PATHS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
          "gguf-int4": dict(dtype="bfloat16", quantization="gguf"),
-         "gguf-q8act": dict(dtype="float32", quantization="gguf-q8act")}
+         "gguf-q8act": dict(dtype="float32", quantization="gguf-q8act"),
+         "gguf-q8act-fp16kv": dict(dtype="float32", quantization="gguf-q8act", kv_cache_dtype="float16")}
 REFERENCE = "fp32"
 
 
