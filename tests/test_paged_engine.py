@@ -10,6 +10,7 @@ import torch
 
 from tests.helpers import hf_greedy
 from verispec import LLM, SamplingParams
+from verispec.state.request import Request
 
 PROMPTS = [
     [1, 2, 3, 4, 5, 1, 2, 3],
@@ -149,6 +150,30 @@ def test_reset_prefix_cache_makes_the_next_request_prefill_its_whole_prompt(tiny
     assert llm.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
     assert llm.cache.prefix_hits == 0 and llm.cache.prefix_queries == len(SYSTEM) + 2
     assert first == hf_greedy(hf, SYSTEM + [5, 6], 4)
+
+
+def test_reset_prefix_cache_reaches_the_llms_that_share_the_cache(tiny):
+    """`with_speculation` LLMs share the KV cache: a reset through one is a reset for all (before, the one reset got
+    a new cache and the other kept the old one with its cached prompts: two caches in memory), and it is refused
+    while one of them holds blocks."""
+    path, _ = tiny
+    base = _llm(path, max_num_seqs=2, enable_prefix_caching=True)
+    other = base.with_speculation({"method": "ngram", "num_speculative_tokens": 3})
+    prompt = {"prompt_token_ids": SYSTEM + [5, 6]}
+    first = other.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids
+    assert other.cache is base.cache and base.cache.pool.cached
+    base.reset_prefix_cache()
+    assert other.cache is base.cache and not base.cache.pool.cached
+    assert other.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
+    assert other.cache.prefix_hits == 0, "the sibling's prompt was still cached"
+    eng = other.engine
+    eng.add_request(Request(SYSTEM + [7], _greedy(8)))
+    eng.step()  # admitted: its blocks are in the shared cache
+    with pytest.raises(RuntimeError, match="in use"):
+        base.reset_prefix_cache()
+    while eng.has_work():
+        eng.step()
+    base.reset_prefix_cache()
 
 
 def test_prefix_caching_is_off_for_drafters_that_read_every_prompt_hidden_state(tiny):

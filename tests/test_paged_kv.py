@@ -144,6 +144,28 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     assert len(c.match(SYSTEM[:8], 8 - 1)) == 1
 
 
+def test_reset_forgets_cached_blocks_only_when_no_sequence_holds_blocks():
+    """While a sequence holds blocks the reset refuses and changes nothing; after, every cached block is free (no
+    hash, lowest first again), the prompt hits nothing and the counters restart."""
+    c = _cache()
+    prompt = SYSTEM[:8] + [1, 2, 3]
+    a = c.allocate(prompt, c.match(prompt, len(prompt) - 1), len(prompt))
+    c.reserve(a, 10)
+    c.commit(a, 10)
+    hashed = dict(c.pool.hash_of)
+    assert not c.reset_prefix_cache() and c.pool.hash_of == hashed and c.prefix_queries == 11
+    c.free(a)
+    assert len(c.pool.cached) == 2 and len(c.match(prompt, len(prompt) - 1)) == 2
+    assert c.reset_prefix_cache()
+    assert not c.pool.cached and not c.pool.hash_of and not c.pool.by_hash and c.pool.num_free == NB
+    assert c.prefix_queries == c.prefix_hits == 0 and c.match(prompt, len(prompt) - 1) == []
+    c.check()
+    s = c.allocate()
+    c.reserve(s, 2 * B)
+    assert c.table(s) == [0, 1], "free blocks are handed out lowest first again"
+    c.check()
+
+
 def test_cached_blocks_evicted_least_recent_first_and_rejected_blocks_returned():
     pool = BlockPool(3, B)
     blocks = [pool.take(), pool.take(), pool.take()]

@@ -255,11 +255,14 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block (vLLM's `LLM.reset_prefix_cache`): the next requests prefill their whole
-        prompts, as after a fresh start. For benchmarks that run the same prompts again. Not while requests run."""
+        prompts, as after a fresh start. For benchmarks that run the same prompts again. In place, so the LLMs of
+        `with_speculation`, which share this KV cache, forget them too (a new cache here left them the old one and
+        held both in memory). Not while requests run, here or in an LLM sharing the cache."""
         if self._engine is not None and self._engine.has_work():
             raise RuntimeError("reset_prefix_cache: requests are still running")
-        self.cache = self._new_cache()
-        self._engine = None
+        if not self.cache.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache: KV blocks are in use (an LLM sharing this cache is running "
+                               "requests)")
 
     def _new_cache(self) -> PagedKVCache:
         """The engine's paged KV cache: kv_cache_memory_bytes worth of blocks; by default max_num_seqs x

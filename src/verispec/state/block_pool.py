@@ -109,6 +109,18 @@ class BlockPool:
         self.by_hash[h] = b
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (each becomes free, its hash forgotten); False, changing nothing, while any block
+        is in a block table (a running sequence may share hashed blocks, and new ones are named as prompts finish)."""
+        if self.num_used:
+            return False
+        self._free.update(self.cached)
+        self.cached.clear()
+        self.hash_of.clear()
+        self.by_hash.clear()
+        self._heap = sorted(self._free)  # a sorted list is a heap
+        return True
+
     def check(self, refs: dict[int, int]) -> None:
         """Invariants, given how many block tables hold each block."""
         for b in range(self.num_blocks):

@@ -105,6 +105,14 @@ class PagedKVCache:
             self.pool.release(b)
         self.slots[slot] = SeqState()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block and zero the hit counters (vLLM's reset); False, changing nothing, while
+        any sequence holds blocks."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self.prefix_queries = self.prefix_hits = 0
+        return True
+
     def length(self, slot: int) -> int:
         return self.slots[slot].length
 
