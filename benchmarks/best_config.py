@@ -19,6 +19,7 @@ asked to draft: what keeping a learned drafter beside the target costs when the 
 
     python benchmarks/best_config.py --limit 30 --repeats 2      (about 6 minutes on a 2-core CPU)
     python benchmarks/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
+    python benchmarks/best_config.py --learned --workloads chat --phases   # + ms per step by phase, per arm
 """
 
 from __future__ import annotations

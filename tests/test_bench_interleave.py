@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from verispec.bench.interleave import ArmRun, per_prompt_ratios, pooled_ratios, run_interleaved
+from verispec.bench.interleave import ArmRun, per_prompt_ratios, phase_row, pooled_ratios, run_interleaved
+from verispec.engine.counters import StepClock
 
 
 class _Drafters:
@@ -22,10 +23,13 @@ class _Arm:
     def __init__(self, name: str, log: list, tokens: dict[int, list[int]]) -> None:
         self.name, self.log, self.tokens = name, log, tokens
         self.drafters = _Drafters(name, log)
+        self.engine = SimpleNamespace(clock=StepClock())
 
     def chat(self, conversations, params, use_tqdm=False):
         prompt = conversations[0][0]["content"]
         self.log.append((self.name, prompt))
+        for _ in range(prompt + 1):  # prompt i runs i + 1 steps of 1 ms schedule, 2 draft, 3 forward, 4 commit
+            self.engine.clock.record(1, schedule=1e-3, draft=2e-3, forward=3e-3, commit=4e-3)
         stats = {"mean_acceptance_length": 2.0, "steps": 4, "num_draft_tokens": 6, "ttft_s": 0.25}
         return [SimpleNamespace(token_ids=self.tokens[prompt], stats=stats)]
 
@@ -50,6 +54,20 @@ def test_every_prompt_and_repeat_runs_every_arm_in_rotating_order_and_identity_i
     assert rows["a"][0].ttft == 0.25
     with pytest.raises(ValueError, match="baseline"):
         run_interleaved({"a": engines["a"]}, prompts, None, repeats=1)
+    # each run's own steps and phase seconds, from the arm's step clock around its request
+    assert [r.steps for r in rows["a"]] == [1, 2, 3] * 2
+    assert rows["a"][2].phases == pytest.approx((3e-3, 6e-3, 9e-3, 12e-3))
+
+
+def test_phase_row_is_ms_per_step_of_each_phase_and_the_rest():
+    runs = [ArmRun(0, 0, 10, 0.050, 1, 0, True, steps=4, phases=(0.001, 0.002, 0.030, 0.005)),
+            ArmRun(0, 1, 10, 0.070, 1, 0, True, steps=6, phases=(0.002, 0.000, 0.050, 0.008))]
+    row = phase_row(runs)
+    assert row["steps"] == 10
+    assert row["schedule"] == pytest.approx(0.3) and row["draft"] == pytest.approx(0.2)
+    assert row["forward"] == pytest.approx(8.0) and row["commit"] == pytest.approx(1.3)
+    assert row["total"] == pytest.approx(12.0) and row["other"] == pytest.approx(12.0 - 9.8)
+    assert phase_row([ArmRun(0, 0, 10, 1.0, 1, 0, True)]) is None  # no step clock
 
 
 def test_pooled_and_per_prompt_ratios():

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from verispec.engine.counters import PHASES
+
 
 @dataclass(frozen=True)
 class ArmRun:
@@ -21,10 +23,37 @@ class ArmRun:
     drafted_per_step: float  # draft tokens verified per step
     identical: bool  # output equal to the baseline arm's on the same prompt and repeat
     ttft: float = 0.0  # the engine's time to the first token (prefill), within `seconds`
+    steps: int = 0  # engine steps that ran a forward (0: the engine keeps no step clock)
+    phases: tuple[float, ...] = ()  # their seconds per phase of `engine.counters.PHASES`, summed
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
+
+
+def _clock(llm: Any) -> tuple[int, dict[str, float]] | None:
+    """The arm's engine step clock now (steps, seconds per phase); None for an arm without one."""
+    clock = getattr(getattr(llm, "engine", None), "clock", None)
+    return None if clock is None else (clock.steps, dict(clock.seconds))
+
+
+def _clock_delta(before, after) -> tuple[int, tuple[float, ...]]:
+    if before is None or after is None:
+        return 0, ()
+    return after[0] - before[0], tuple(after[1][p] - before[1][p] for p in PHASES)
+
+
+def phase_row(runs: Sequence[ArmRun]) -> dict[str, float] | None:
+    """ms per step of each phase over the runs, `other` (wall time outside the steps' phases: tokenizing, the API,
+    output assembly) and `total`, with `steps`; None when the runs carry no step clock."""
+    steps = sum(r.steps for r in runs)
+    if not steps or not all(r.phases for r in runs):
+        return None
+    row = {p: 1e3 * sum(r.phases[i] for r in runs) / steps for i, p in enumerate(PHASES)}
+    row["total"] = 1e3 * sum(r.seconds for r in runs) / steps
+    row["other"] = row["total"] - sum(row[p] for p in PHASES)
+    row["steps"] = steps
+    return row
 
 
 def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: Any, repeats: int,
@@ -44,15 +73,16 @@ def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: 
             r = (rep * len(prompts) + i) % len(names)
             outs = {}
             for name in names[r:] + names[:r]:
-                t0 = time.perf_counter()
+                c0, t0 = _clock(engines[name]), time.perf_counter()
                 o = engines[name].chat([list(p.messages)], params, use_tqdm=False)[0]
-                outs[name] = (list(o.token_ids), o.stats, time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                outs[name] = (list(o.token_ids), o.stats, dt, _clock_delta(c0, _clock(engines[name])))
             want = outs[baseline][0]
             for name in names:
-                ids, st, dt = outs[name]
+                ids, st, dt, (steps, phases) = outs[name]
                 rows[name].append(ArmRun(rep, i, len(ids), dt, st.get("mean_acceptance_length", 1.0),
                                          st.get("num_draft_tokens", 0) / max(1, st.get("steps", 1)), ids == want,
-                                         st.get("ttft_s", 0.0)))
+                                         st.get("ttft_s", 0.0), steps, phases))
     return rows
 
 
@@ -91,6 +121,8 @@ def compare_arms(description: str, arms: Callable[[Any, int], dict[str, Any]], a
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per step of the adaptive policies")
+    ap.add_argument("--phases", action="store_true",
+                    help="also a table of each arm's ms per engine step by phase (where an arm's time goes)")
     args = ap.parse_args(argv)
     base = LLM(args.model, dtype="auto", device="cpu", max_model_len=2048, progress=False)
     engines = arms(base, args.k)
@@ -103,8 +135,10 @@ def compare_arms(description: str, arms: Callable[[Any, int], dict[str, Any]], a
           "| drafted per step | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
     load = MachineLoad().start()
+    phase_rows = []
     for wl in args.workloads.split(","):
         rows = run_interleaved(engines, load_workload(wl, limit=args.limit), sp, args.repeats)
+        phase_rows += [(wl, name, phase_row(rs)) for name, rs in rows.items()]
         for name, rs in rows.items():
             pooled = " / ".join(f"x{x:.2f}" for x in pooled_ratios(rs, rows["plain"], args.repeats))
             decode = " / ".join(f"x{x:.2f}" for x in pooled_ratios(rs, rows["plain"], args.repeats, decode=True))
@@ -114,5 +148,19 @@ def compare_arms(description: str, arms: Callable[[Any, int], dict[str, Any]], a
                   f"x{statistics.median(ratio):.2f} ({min(ratio):.2f}..{max(ratio):.2f}) | "
                   f"{statistics.fmean(x.tau for x in rs):.2f} | "
                   f"{statistics.fmean(x.drafted_per_step for x in rs):.2f} | {same}/{len(rs)} |", flush=True)
+    if args.phases:
+        print_phases(phase_rows)
     print(f"\n{load.stop().describe()}")
     return 0
+
+
+def print_phases(rows: Sequence[tuple[str, str, dict[str, float] | None]]) -> None:
+    """The table of `phase_row`s: per workload and arm, ms per engine step by phase."""
+    print("\nms per engine step (prefill steps included), by phase; other = the request's wall time outside the "
+          "steps' phases\n")
+    print("| workload | arm | steps | " + " | ".join(PHASES) + " | other | total |")
+    print("|---|---|---|" + "---|" * (len(PHASES) + 2))
+    for wl, name, row in rows:
+        if row is not None:
+            print(f"| {wl} | {name} | {row['steps']:.0f} | "
+                  + " | ".join(f"{row[p]:.3f}" for p in (*PHASES, "other", "total")) + " |")
