@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from verispec import LLM, SamplingParams
 from verispec.bench.load import MachineLoad
+from verispec.config import KV_CACHE_DTYPES
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import compare_greedy
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--enable-prefix-caching", action="store_true",
                     help="as `verispec serve` does by default; the cache is emptied before every run, so no run "
                          "reuses prompts another cached")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]

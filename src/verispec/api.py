@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from verispec.check.state import check_kv
-from verispec.config import LEARNED_METHODS, ModelConfig, SpeculativeConfig
+from verispec.config import KV_CACHE_DTYPES, LEARNED_METHODS, ModelConfig, SpeculativeConfig
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.drafters.features import target_features
@@ -78,10 +78,6 @@ def default_device() -> str:
 # The default KV budget when max_num_seqs x max_model_len positions would need more (vLLM's CPU backend also
 # defaults to a few GiB): requests then share it and the newest is preempted when it runs out.
 DEFAULT_KV_CACHE_BYTES = 4 << 30
-# what `kv_cache_dtype` names: "auto" keeps K/V in float32 on CPU (the model's dtype elsewhere); "float16" halves what
-# attention reads and what each cached position holds, K/V rounded to nearest even as written (the same in plain and
-# speculative steps, so greedy speculation still equals plain decoding bit for bit)
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
 
 class LLM:
@@ -110,10 +106,10 @@ class LLM:
         self.path_choice = self._choose_path(self.resolved, dtype, quantization, spec, progress, invariant)
         self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
         self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=progress,
                                    quantization=self.quantization)
-        self.model.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        self.model.kv_cache_dtype = None if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
         self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
         self._set_invariance(invariant)
         self.tokenizer = load_tokenizer(self.resolved)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from verispec.config import QUANTIZATIONS, SPEC_METHODS
+from verispec.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPEC_METHODS
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -36,7 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's element type. auto (default): float32 on CPU, the model's dtype on CUDA; "
                         "float16 halves the cache's memory and what attention reads per token (faster at long "
                         "contexts and many requests), K/V rounded to nearest even when written: outputs can differ "

@@ -142,6 +142,10 @@ NATIVE_METHODS = ("mtp",)  # drafting layers the target's own checkpoint ships (
 # load_model's quantization values: "gguf" (a GGUF's Q4 blocks on aten's int4 kernel, bf16 activations) and
 # "gguf-q8act" (its blocks and head on verispec's CPU kernel, int8 activations per 32 values); None = dense weights
 QUANTIZATIONS = ("gguf", "gguf-q8act")
+# `kv_cache_dtype` values: "auto" keeps K/V in float32 on CPU (the model's dtype elsewhere); "float16" halves what
+# attention reads and what each cached position holds, K/V rounded to nearest even as written (the same in plain and
+# speculative steps, so greedy speculation still equals plain decoding bit for bit)
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree
 
