@@ -95,7 +95,8 @@ def make_app(tiny_dir: Path, speculative_config: dict | None = None, scheduler: 
     from verispec.server.app import create_app
 
     llm = LLM(str(tiny_dir), dtype="float32", progress=False, speculative_config=speculative_config,
-              scheduler=scheduler, max_num_seqs=kw.pop("max_num_seqs", 4))
+              scheduler=scheduler, max_num_seqs=kw.pop("max_num_seqs", 4),
+              enable_prefix_caching=kw.pop("enable_prefix_caching", False))
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=kw.pop("max_waiting", 64))
     return create_app(llm, engine, **kw), engine
 

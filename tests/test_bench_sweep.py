@@ -115,6 +115,16 @@ def test_prometheus_parsing_of_three_families() -> None:
     assert (d["engine_steps"], d["rows_per_step"]) == (20, 8)
     assert d["step_schedule_ms"] == pytest.approx(20.0) and d["step_forward_ms"] == pytest.approx(300.0)
     assert d["step_ms"] == pytest.approx(320.0) and "step_ms" not in spec_delta(c1, c1)
+    for fam in ("verispec", "vllm"):  # prefix caching: tokens looked up / found, vLLM V1's names (series summed)
+        cache = (f"# TYPE {fam}:prefix_cache_queries counter\n{fam}:prefix_cache_queries_total{{{{engine=\"0\"}}}} {{q}}\n"
+                 f"{fam}:prefix_cache_queries_total{{{{engine=\"1\"}}}} 10.0\n"
+                 f"# TYPE {fam}:prefix_cache_hits counter\n{fam}:prefix_cache_hits_total{{{{engine=\"0\"}}}} {{h}}\n")
+        p0, p1 = parse_spec_metrics(cache.format(q=100, h=32)), parse_spec_metrics(cache.format(q=300, h=182))
+        assert p1.prefix == {"queries": 310, "hits": 182}
+        d = spec_delta(p0, p1)
+        assert (d["prefix_queries"], d["prefix_hits"], d["prefix_hit_rate"]) == (200, 150, 0.75)
+        assert "prefix_hit_rate" not in spec_delta(p1, p0), "a counter that went backwards gives no rate"
+    assert "prefix_hit_rate" not in spec_delta(after, after)  # not exported
     nothing = parse_spec_metrics("# TYPE up gauge\nup 1\n")
     assert nothing.family is None and math.isnan(spec_delta(nothing, nothing)["tau"])
     restarted = spec_delta(after, before)  # counters went backwards
@@ -320,6 +330,46 @@ def test_sweep_against_live_server(tiny_dir: Path, tmp_path: Path) -> None:
     engine_notes = [n for n in rep["notes"] if n.startswith("Engine ")]
     assert len(engine_notes) == 1 and "weight path fp32 (dtype float32" in engine_notes[0], rep["notes"]
     assert any(n.startswith("machine load over the") for n in rep["notes"]), rep["notes"]
+
+
+def test_reset_prefix_cache_empties_each_server_before_every_level(tiny_dir: Path, tmp_path: Path,
+                                                                   capsys) -> None:
+    """--reset-prefix-cache: the second repeat of a level finds nothing its first repeat cached (without it, it
+    finds every full block of every prompt but the last token's); against a server without the route the sweep
+    stops before measuring, saying how to turn it on."""
+    work = tmp_path / "distinct.jsonl"  # two prompts of several 16-token blocks, different from the first words on
+    work.write_text("".join(json.dumps({"id": f"d{i}", "prompt": " ".join(f"w{i}{j}" for j in range(30))}) + "\n"
+                            for i in range(2)))
+    reports = {}
+    for reset in (False, True):
+        app, _ = make_app(tiny_dir, enable_prefix_caching=True, dev_endpoints=True)
+        out = tmp_path / f"reset-{reset}"
+        with live(app) as url:
+            argv = ["--endpoint", url, "--api", "completions", "--concurrency", "1", "--requests-per-level", "2",
+                    "--repeats", "2", "--max-tokens", "3", "--ignore-eos", "--workloads", str(work), "--no-progress",
+                    "--out", str(out)] + (["--reset-prefix-cache"] if reset else [])
+            assert run_sweep(parse(argv)) == 0
+        reports[reset] = json.loads((out / "report.json").read_text())
+    for reset, rep in reports.items():
+        rows = rep["tables"][0]["rows"]
+        second = [r for r in rep["records"] if r["repeat"] == 2]
+        full_blocks = sum((r["prompt_tokens"] - 1) // 16 * 16 for r in second)
+        assert full_blocks >= 32
+        expected = 0.0 if reset else full_blocks / sum(r["prompt_tokens"] for r in second)
+        assert [r["repeat"] for r in rows] == [1, 2] and rows[1]["prefix_hit_rate"] == pytest.approx(expected)
+        if reset:
+            assert rows[0]["prefix_hit_rate"] == 0.0, "the probe's prompt was reset away before the first level"
+            assert any("--reset-prefix-cache" in n for n in rep["notes"])
+
+    app, _ = make_app(tiny_dir, enable_prefix_caching=True)  # no dev endpoints: no route
+    with live(app) as url:
+        argv = ["--endpoint", url, "--api", "completions", "--concurrency", "1", "--requests-per-level", "1",
+                "--max-tokens", "2", "--workloads", str(work), "--no-progress", "--reset-prefix-cache",
+                "--out", str(tmp_path / "none")]
+        assert run_sweep(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert "no prefix-cache reset route" in err and "--enable-dev-endpoints" in err
+    assert not (tmp_path / "none").exists(), "nothing measured"
 
 
 # ---- a server that never answers ----------------------------------------------------------------------------

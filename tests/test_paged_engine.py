@@ -146,9 +146,11 @@ def test_reset_prefix_cache_makes_the_next_request_prefill_its_whole_prompt(tiny
     hits = llm.cache.prefix_hits
     assert llm.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
     assert llm.cache.prefix_hits > hits  # seen before: cached
+    hits, queries = llm.cache.prefix_hits, llm.cache.prefix_queries
     llm.reset_prefix_cache()
+    assert (llm.cache.prefix_hits, llm.cache.prefix_queries) == (hits, queries), "counters are lifetime totals"
     assert llm.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
-    assert llm.cache.prefix_hits == 0 and llm.cache.prefix_queries == len(SYSTEM) + 2
+    assert llm.cache.prefix_hits == hits and llm.cache.prefix_queries == queries + len(SYSTEM) + 2
     assert first == hf_greedy(hf, SYSTEM + [5, 6], 4)
 
 
@@ -164,8 +166,9 @@ def test_reset_prefix_cache_reaches_the_llms_that_share_the_cache(tiny):
     assert other.cache is base.cache and base.cache.pool.cached
     base.reset_prefix_cache()
     assert other.cache is base.cache and not base.cache.pool.cached
+    hits = other.cache.prefix_hits
     assert other.generate([prompt], _greedy(4), use_tqdm=False)[0].token_ids == first
-    assert other.cache.prefix_hits == 0, "the sibling's prompt was still cached"
+    assert other.cache.prefix_hits == hits, "the sibling's prompt was still cached"
     eng = other.engine
     eng.add_request(Request(SYSTEM + [7], _greedy(8)))
     eng.step()  # admitted: its blocks are in the shared cache
@@ -202,6 +205,38 @@ def test_prefix_counters_reach_snapshot_and_metrics(tiny):
     text = ServerMetrics(bg.snapshot).render()[0].decode()
     assert "verispec:prefix_cache_queries_total 77.0" in text
     assert "verispec:prefix_cache_hits_total 36.0" in text
+
+
+def test_background_reset_refuses_while_requests_run_and_keeps_the_counters(tiny):
+    """The server's reset runs on the worker's turn: refused (False, the cache unchanged) while a request holds
+    blocks; done once none runs, before anything submitted meanwhile is admitted; the hit counters, published as
+    Prometheus counters, never go back. The worker's turns are taken here by hand (not started)."""
+    from verispec.engine.background import BackgroundEngine
+
+    path, _ = tiny
+    llm = _llm(path, max_num_seqs=2, enable_prefix_caching=True)
+    llm.generate([{"prompt_token_ids": SYSTEM + [1]}], _greedy(3), use_tqdm=False)
+    bg = BackgroundEngine(llm.engine, llm.check_prompt_ids)
+    eng, cache = llm.engine, llm.cache
+    stream = bg.submit(SYSTEM + [2], _greedy(6))
+    bg._drain_inbox()
+    eng.step()  # admitted, sharing the cached system blocks
+    busy = bg.reset_prefix_cache()
+    bg._drain_inbox()
+    assert busy.result(0) is False and len(cache.match(SYSTEM + [3], len(SYSTEM))) == len(SYSTEM) // BLOCK
+    while eng.has_work():
+        eng.step()
+    assert len(stream.output_ids) == 6
+    totals = (cache.prefix_queries, cache.prefix_hits)
+    done = bg.reset_prefix_cache()
+    later = bg.submit(SYSTEM + [4], _greedy(2))  # submitted in the same turn: admitted after the reset
+    bg._drain_inbox()
+    assert done.result(0) is True and (cache.prefix_queries, cache.prefix_hits) == totals
+    while eng.has_work():
+        eng.step()
+    assert len(later.output_ids) == 2 and cache.prefix_hits == totals[1], "the later request found nothing cached"
+    bg._publish()
+    assert bg.snapshot().prefix_cache_hits == totals[1]
 
 
 def test_pool_sizing_and_requests_that_can_never_fit(tiny):

@@ -327,11 +327,43 @@ def test_spec_metrics_equal_engine_snapshot_and_output_equals_hf(tiny_dir: Path,
     assert sum(snap.accepted_per_pos) == snap.num_accepted_tokens
 
 
+def test_reset_prefix_cache_route(tiny_dir: Path, client: TestClient) -> None:
+    """POST /reset_prefix_cache only with dev endpoints (as vLLM's dev mode): 200 and the next request prefills its
+    whole prompt while the Prometheus counters keep counting up; 409 while requests run; 503 without an engine."""
+    from concurrent.futures import Future
+
+    assert client.post("/reset_prefix_cache").status_code == 404  # the default server has no such route
+    shared = [5 + i % 40 for i in range(40)]  # two full 16-token blocks, then a different tail per request
+    app, engine = make_app(tiny_dir, enable_prefix_caching=True, dev_endpoints=True)
+    with TestClient(app) as http:
+        def send(tail: list[int]) -> tuple[float, float]:
+            assert http.post(C, json={"prompt": shared + tail, "max_tokens": 2}).status_code == 200
+            wait_idle(engine)
+            m = metrics(http)
+            return m["verispec:prefix_cache_queries_total"], m["verispec:prefix_cache_hits_total"]
+
+        assert send([7]) == (41, 0) and send([8]) == (82, 32)
+        assert http.post("/reset_prefix_cache").status_code == 200
+        assert send([9]) == (123, 32), "after the reset nothing is cached, and the counters did not go back"
+        assert send([10]) == (164, 64)
+        busy: Future = Future()
+        busy.set_result(False)  # what the worker answers while requests run (tests/test_paged_engine.py)
+        engine.reset_prefix_cache = lambda: busy
+        r = http.post("/reset_prefix_cache")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    stopped_app, _ = make_app(tiny_dir, dev_endpoints=True, manage_engine=False)
+    with TestClient(stopped_app) as http:
+        r = http.post("/reset_prefix_cache")
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
 # ---- a live server: disconnects and many requests --------------------------------------------------------------
-@pytest.mark.parametrize("caching", [[], ["--no-enable-prefix-caching"]], ids=["default", "no-prefix-caching"])
+@pytest.mark.parametrize("caching", [["--enable-dev-endpoints"], ["--no-enable-prefix-caching"]],
+                         ids=["default", "no-prefix-caching"])
 def test_cli_serve_announces_url_and_stops_on_sigterm(tiny_dir: Path, caching: list[str]) -> None:
     """`verispec serve` prints its URL once bound, answers, shares a prompt prefix between requests unless told not
-    to (prefix caching is on by default, as in vLLM's V1 engine), and exits on SIGTERM."""
+    to (prefix caching is on by default, as in vLLM's V1 engine), serves POST /reset_prefix_cache only with
+    --enable-dev-endpoints, and exits on SIGTERM."""
     import signal
     import subprocess
     import sys
@@ -355,7 +387,10 @@ def test_cli_serve_announces_url_and_stops_on_sigterm(tiny_dir: Path, caching: l
             assert r.status_code == 200
         m = httpx.get(url.removesuffix("/v1") + "/metrics", headers=auth, timeout=30).text
         hits = [float(x.split()[-1]) for x in m.splitlines() if x.startswith("verispec:prefix_cache_hits_total")]
-        assert hits == [0.0 if caching else 32.0], hits
+        dev = "--enable-dev-endpoints" in caching
+        assert hits == [0.0 if not dev else 32.0], hits
+        r = httpx.post(url.removesuffix("/v1") + "/reset_prefix_cache", headers=auth, timeout=30)
+        assert r.status_code == (200 if dev else 404), r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) in (0, -signal.SIGTERM)
     finally:

@@ -155,6 +155,9 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=None,
                        help="seconds running requests get to finish on SIGTERM / Ctrl-C before they end with an "
                             "error; new ones get 503 meanwhile (default: 30)")
+    serve.add_argument("--enable-dev-endpoints", action="store_true",
+                       help="also serve POST /reset_prefix_cache (vLLM's VLLM_SERVER_DEV_MODE routes): benchmarks "
+                            "that send the same prompts again empty the prefix cache between runs")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -312,7 +315,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
     limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
                                 ("shutdown_timeout", args.shutdown_timeout)) if v is not None}
-    app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key, **limits)
+    app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key,
+                     dev_endpoints=args.enable_dev_endpoints, **limits)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0
 

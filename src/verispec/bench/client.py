@@ -231,6 +231,25 @@ class EndpointClient:
             self.model = ids[0]
         return self.model
 
+    async def reset_prefix_cache(self, timeout: float = 30.0, wait_s: float = 30.0) -> str:
+        """Empty the server's prefix cache and return the route that did it: POST /reset_prefix_cache (verispec
+        `serve --enable-dev-endpoints`, vLLM with VLLM_SERVER_DEV_MODE=1), else /flush_cache (SGLang). A server
+        that refuses while requests run (409; SGLang: 400) is asked again for up to `wait_s` seconds."""
+        deadline = time.perf_counter() + wait_s
+        for route in ("/reset_prefix_cache", "/flush_cache"):
+            while True:
+                r = await self.http.post(route, timeout=timeout)
+                if r.status_code < 300:
+                    return route
+                if r.status_code in (404, 405):
+                    break
+                if r.status_code in (400, 409) and time.perf_counter() < deadline:
+                    await asyncio.sleep(0.2)
+                    continue
+                raise RuntimeError(f"{self.base}{route} answered {r.status_code}: {r.text[:200]}")
+        raise RuntimeError(f"{self.base} has no prefix-cache reset route (POST /reset_prefix_cache or /flush_cache): "
+                           "start verispec serve with --enable-dev-endpoints, vLLM with VLLM_SERVER_DEV_MODE=1")
+
     def body(self, p: Prompt, max_tokens: int | None = None, extras: dict[str, Any] | None = None) -> dict[str, Any]:
         b: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens or p.max_tokens,
                              "temperature": self.temperature, "stream": True}

@@ -12,6 +12,9 @@ vLLM's `engine` / `model_name`, are summed):
   (accepted / drafted). Names as in SGLang's `python/sglang/srt/metrics/collector.py`. A gauge has no delta: a
   level reports the value read at its end (and the mean of values sampled during it, where the sweep sampled).
 
+Prefix caching: `verispec:` / `vllm:` `prefix_cache_queries_total` and `prefix_cache_hits_total` (prompt tokens
+looked up / found cached; vLLM V1's names): a level's deltas give its prefix-cache hit rate.
+
 verispec also exports its step clock (`verispec:engine_steps_total`, `verispec:engine_forward_tokens_total`,
 `verispec:engine_step_seconds_total{phase}`): a level's deltas give its steps, rows per step and ms per step by
 phase.
@@ -40,6 +43,7 @@ BUSY_GAUGES = {"verispec:num_requests_running", "verispec:num_requests_waiting",
 QUEUE_HISTOGRAMS = {"verispec:request_queue_time_seconds", "vllm:request_queue_time_seconds"}  # arrival -> admission
 STEPS, STEP_SECONDS, FORWARD_TOKENS = "verispec:engine_steps", "verispec:engine_step_seconds", \
     "verispec:engine_forward_tokens"  # verispec's step clock (engine/counters.py)
+PREFIX_COUNTERS = {"queries": "prefix_cache_queries", "hits": "prefix_cache_hits"}  # prompt tokens, in FAMILIES
 
 
 @dataclass
@@ -56,6 +60,7 @@ class SpecSnapshot:
     config: dict[str, str] = field(default_factory=dict)  # verispec's engine_config_info labels: path, CPU flags
     queue: tuple[float, float] | None = None  # (sum of seconds, count) of the queue-time histogram, where exported
     steps: dict[str, float] = field(default_factory=dict)  # verispec: "steps", "tokens" and seconds per phase
+    prefix: dict[str, float] = field(default_factory=dict)  # prefix-cache "queries" / "hits" (tokens), if exported
 
 
 def _counter_name(sample_name: str) -> str:
@@ -72,6 +77,7 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     config: dict[str, str] = {}
     queue = [0.0, 0.0, False]  # sum, count, seen
     steps: dict[str, float] = {}
+    cache_counts: dict[str, float] = {}  # "family:queries" / "family:hits"
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == CONFIG_INFO:
@@ -89,6 +95,10 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
                 steps[s.labels["phase"]] = s.value
             prefix, _, short = name.partition(":")
             if prefix in FAMILIES:
+                for key, metric in PREFIX_COUNTERS.items():
+                    if short == metric:
+                        prefix_key = f"{prefix}:{key}"
+                        cache_counts[prefix_key] = cache_counts.get(prefix_key, 0.0) + s.value
                 snap = found[prefix]
                 for key, metric in COUNTERS.items():
                     if short == metric:
@@ -107,11 +117,14 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     for key, n in gauge_n.items():
         found["sglang"].gauges[key] /= n
     q = (queue[0], queue[1]) if queue[2] else None
+    cached = next(({k: cache_counts.get(f"{f}:{k}", 0.0) for k in PREFIX_COUNTERS} for f in FAMILIES
+                   if f"{f}:queries" in cache_counts), {})
     for f in (*FAMILIES, "sglang"):
         if f in seen:
             found[f].busy, found[f].config, found[f].queue, found[f].steps = busy, config, q, steps
+            found[f].prefix = cached
             return found[f]
-    return SpecSnapshot(busy=busy, config=config, queue=q, steps=steps)
+    return SpecSnapshot(busy=busy, config=config, queue=q, steps=steps, prefix=cached)
 
 
 def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
@@ -129,6 +142,7 @@ def spec_delta(before: SpecSnapshot | None, after: SpecSnapshot | None,
         out["queued_requests"] = n
     if before is not None and after is not None:
         out.update(_step_delta(before.steps, after.steps))
+        out.update(_prefix_delta(before.prefix, after.prefix))
     if before is None or after is None or after.family is None:
         return out
     out["spec_source"] = after.family
@@ -184,3 +198,15 @@ def _step_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     out["step_ms"] = sum(per.values())
     out.update({f"step_{p}_ms": v for p, v in per.items()})
     return out
+
+
+def _prefix_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens looked up in the prefix cache over a level, how many were found, and the hit rate (none when
+    the server exports no such counters, or they went backwards: a restarted server)."""
+    if not before or not after:
+        return {}
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    if queries < 0 or hits < 0:
+        return {}
+    return {"prefix_queries": queries, "prefix_hits": hits,
+            "prefix_hit_rate": hits / queries if queries > 0 else float("nan")}

@@ -90,6 +90,10 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                         "order, as many at once as the highest concurrency level), not measured: a fresh server's "
                         "first level otherwise carries its cold start (empty prefix cache, first allocations) "
                         "(default: %(default)s)")
+    p.add_argument("--reset-prefix-cache", action="store_true",
+                   help="empty each server's prefix cache before every level it runs (POST /reset_prefix_cache: "
+                        "verispec serve --enable-dev-endpoints, vLLM's dev mode; SGLang's /flush_cache), so that no "
+                        "level finds the prompts an earlier level or the warm-up cached")
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, seconds")
     p.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on E2E latency, seconds")
@@ -328,6 +332,8 @@ async def _sweep(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("reports") / time.strftime("sweep-%Y%m%d-%H%M%S")
     rep = build_report(args, levels, ref, clients, results, pool)
     rep.notes.append(load.describe("a server under test on this machine counts here"))
+    if args.reset_prefix_cache:
+        rep.notes.append("Each server's prefix cache was emptied before every level it ran (--reset-prefix-cache).")
     paths = write_report(rep, out)
     say(f"report: {paths['md']} (also {paths['html'].name}, {paths['json'].name}, {paths['csv'].name}, PNGs)")
     completed = sum(r.ok for rs in results.values() for res in rs for r in res.records)
@@ -370,8 +376,9 @@ async def _probe(clients: Sequence[Any], pool: Sequence[Any], args: argparse.Nam
             raise RuntimeError(f"cannot read {c.base}/v1/models ({type(e).__name__}: {e}); is the server up? "
                                "(or pass --model)") from None
         caps = await c.probe(pool[0], timeout=args.probe_timeout)
+        reset = await c.reset_prefix_cache(timeout=args.probe_timeout) if args.reset_prefix_cache else None
         say(f"{c.label}: {c.base}, model {model!r}, token counts from {caps.token_source}"
-            + (f" ({caps.note})" if caps.note else ""))
+            + (f" ({caps.note})" if caps.note else "") + (f", prefix cache reset by POST {reset}" if reset else ""))
 
 
 async def _warm_up(clients: Sequence[Any], pool: Sequence[Any], levels: Sequence[Level], args: argparse.Namespace,
@@ -396,6 +403,8 @@ async def _run_levels(clients: Sequence[Any], pool: Sequence[Any], levels: Seque
     for rep in range(args.repeats):
         for j, level in enumerate(levels):
             for c in clients if (j + rep) % 2 == 0 else clients[::-1]:
+                if args.reset_prefix_cache:
+                    await c.reset_prefix_cache(timeout=args.probe_timeout, wait_s=args.grace_seconds + 5)
                 res = await run_level(c, pool, level, repeat=rep, max_seconds=args.max_seconds_per_level,
                                       grace=args.grace_seconds, max_tokens=args.max_tokens, seed=args.seed + j,
                                       metrics=not args.no_metrics, metrics_timeout=args.metrics_timeout,

@@ -66,7 +66,7 @@ def summarize(res: LevelResult, slo: tuple[float | None, float | None, float | N
                 "drafts": s.get("drafts", float("nan")), "draft_tokens": s.get("draft_tokens", float("nan")),
                 "accepted": s.get("accepted", float("nan")),
                 "queue_mean_ms": s.get("queue_mean_s", float("nan")) * 1e3})
-    for key in ("engine_steps", "rows_per_step", "step_ms", *(f"step_{p}_ms" for p in PHASES)):
+    for key in ("engine_steps", "rows_per_step", "step_ms", *(f"step_{p}_ms" for p in PHASES), "prefix_hit_rate"):
         row[key] = s.get(key, float("nan"))
     compared = [r for r in ok if r.identical is not None]
     row["identity"] = sum(r.identical for r in compared) / len(compared) if compared else float("nan")
@@ -303,6 +303,10 @@ def _notes(args: argparse.Namespace, results: dict[str, list[LevelResult]], ref:
         "commit: verification, KV, tokens out), from the deltas of verispec:engine_steps / "
         "engine_forward_tokens / engine_step_seconds over the level. Two servers doing the same work per step "
         "should match here; where they do not, the phase says where.",
+        "Prefix cache: prefix_hit_rate = prompt tokens found cached / prompt tokens looked up over the level (the "
+        "deltas of verispec:/vllm:prefix_cache_hits and prefix_cache_queries); NaN where the server exports "
+        "neither. Levels after the first find what earlier levels cached unless the sweep ran with "
+        "--reset-prefix-cache.",
     ]
 
 

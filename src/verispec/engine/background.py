@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
@@ -134,6 +135,7 @@ class BackgroundEngine:
         self._inbox: list[tuple[Request, RequestStream]] = []
         self._aborts: list[str] = []
         self._fail: str | None = None  # fail_in_flight's message, until the worker has acted on it
+        self._resets: list[Future] = []  # reset_prefix_cache's answers, until the worker has tried
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -188,6 +190,16 @@ class BackgroundEngine:
             self._fail = message
         self._wake.set()
 
+    def reset_prefix_cache(self) -> Future:
+        """Forget the prefix cache's blocks at the worker's next turn, before it admits anything submitted since.
+        The future's result: True when done, False (nothing changed) while any request runs or waits in the
+        engine. The hit counters stay lifetime totals (state/paged_kv.py)."""
+        done: Future = Future()
+        with self._lock:
+            self._resets.append(done)
+        self._wake.set()
+        return done
+
     def snapshot(self) -> EngineSnapshot:
         """The engine's state as the worker last published it (after its latest step), plus the inbox."""
         with self._lock:
@@ -225,6 +237,11 @@ class BackgroundEngine:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             fail, self._fail = self._fail, None
+            resets, self._resets = self._resets, []
+        if resets:
+            ok = not self.engine.has_work() and self.engine.cache.reset_prefix_cache()
+            for done in resets:
+                done.set_result(ok)
         for req, _ in inbox:
             self.engine.add_request(req, self._on_tokens)
         for rid in aborts:

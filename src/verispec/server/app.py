@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over a `BackgroundEngine`, and the uvicorn runner.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`, `n` choices and `logprobs`),
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /openapi.json. Errors are OpenAI-shaped; one
+GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /openapi.json, and with `dev_endpoints` POST
+/reset_prefix_cache. Errors are OpenAI-shaped; one
 request's failure never stops the server; a client that goes away aborts its request at once, freeing its batch
 slot and KV.
 """
@@ -100,11 +101,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = None, api_key: str | None = None,
                manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, dev_endpoints: bool = False) -> FastAPI:
     """The app over `engine`, a BackgroundEngine of `llm`'s engine (`BackgroundEngine(llm.engine,
     llm.check_prompt_ids)`); `llm` parses prompts and decodes tokens. `manage_engine` starts / shuts the engine down
     with the app. Bodies over `max_request_bytes` get a 413; on shutdown (served by `make_server`) running requests
-    get `shutdown_timeout` seconds to finish (server/lifecycle.py)."""
+    get `shutdown_timeout` seconds to finish (server/lifecycle.py). `dev_endpoints` adds POST /reset_prefix_cache
+    (vLLM's dev-mode route)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     served = served_model(llm, model_name)
@@ -122,6 +124,8 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
         app.add_middleware(BearerAuth, api_key=api_key)
     _install_error_handlers(app)
     _install_routes(app, Generation(llm, engine, served, metrics, lifecycle, max_request_bytes))
+    if dev_endpoints:
+        _install_dev_routes(app)
     return app
 
 
@@ -172,6 +176,26 @@ def _install_routes(app: FastAPI, generate: Generation) -> None:
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+
+def _install_dev_routes(app: FastAPI, timeout_s: float = 60.0) -> None:
+    """POST /reset_prefix_cache, as vLLM serves it in dev mode: 200 once the cache has forgotten its blocks, 409
+    while requests run (nothing changed), 503 when the engine is not running."""
+    engine = app.state.engine
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not engine.is_alive():
+            raise APIError(503, "The engine is not running.", type="server_error")
+        try:
+            done = await asyncio.wait_for(asyncio.wrap_future(engine.reset_prefix_cache()), timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"The engine did not take the reset within {timeout_s:g} s.",
+                           type="server_error") from None
+        if not done:
+            raise APIError(409, "Requests are running; the prefix cache can be reset once none is in flight.",
+                           code="conflict")
+        return Response(status_code=200)
 
 
 class _Server(uvicorn.Server):

@@ -14,7 +14,8 @@ is the blocks in use, not slots x max_len.
 Prefix caching: a sequence allocated with its prompt names each full, committed block of its prompt by a hash
 chain (state/block_pool.py); a later sequence whose prompt starts with the same blocks takes them (reference
 counted) and starts computing after them. Shared (hashed) blocks are never written again: a sequence's first
-non-shared position starts a fresh block. Counters: prefix_queries / prefix_hits in prompt tokens.
+non-shared position starts a fresh block. Counters: prefix_queries / prefix_hits in prompt tokens, since the cache
+was made (a reset of the prefix cache keeps them).
 """
 
 from __future__ import annotations
@@ -106,12 +107,10 @@ class PagedKVCache:
         self.slots[slot] = SeqState()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prompt block and zero the hit counters (vLLM's reset); False, changing nothing, while
-        any sequence holds blocks."""
-        if not self.pool.reset_prefix_cache():
-            return False
-        self.prefix_queries = self.prefix_hits = 0
-        return True
+        """Forget every cached prompt block (vLLM's reset); False, changing nothing, while any sequence holds blocks.
+        The hit counters stay lifetime totals (the server publishes them as Prometheus counters, which never go
+        back): a caller wanting one run's hit rate takes their difference across it."""
+        return self.pool.reset_prefix_cache()
 
     def length(self, slot: int) -> int:
         return self.slots[slot].length
