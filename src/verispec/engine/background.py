@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 from verispec.engine.core import Engine, RequestTooLong
 from verispec.execution.logprobs import TokenLogprobs
 from verispec.execution.sampling import SamplingParams
+from verispec.execution.threads import release_openmp_threads
 from verispec.state.request import Request
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,11 @@ class BackgroundEngine:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the worker. The calling thread (usually the one that built the engine) first gives back its OpenMP
+        threads, so that the worker's are the process's only ones (execution/threads.py: 2.8x faster decode steps
+        on 2 cores)."""
         if self._thread is None:
+            release_openmp_threads()
             self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
             self._thread.start()
 

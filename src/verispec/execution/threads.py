@@ -1,0 +1,53 @@
+"""OpenMP thread pools when the engine moves to another thread.
+
+OpenMP (libgomp, which torch and verispec's kernel share on Linux) keeps one thread pool per thread that opened a
+parallel region. A thread that built the model (and ran the kernel's profile there) keeps its pool when the engine
+then runs on a worker thread, as in the server: the process then manages more OpenMP threads than it has CPUs, and
+libgomp stops spinning at its barriers and sleeps instead (its "throttled" wait), so every barrier of every layer
+costs a futex wake-up. Measured on 2 cores: a decode step of the default model took 10.2 ms on the server's worker
+thread against 3.5 ms on the thread that built it (`benchmarks/worker_thread.py`). Releasing the building thread's
+pool before handing the engine over brings the worker to the same speed; the pool is made again if that thread
+ever opens a parallel region again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# OpenMP runtimes torch may have loaded (GNU on Linux, LLVM's on macOS and some builds, Intel's)
+OPENMP_LIBRARIES = ("libgomp.so.1", "libomp.so", "libomp.dylib", "libiomp5.so")
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime's state
+
+
+def loaded_openmp() -> list[ctypes.CDLL]:
+    """The OpenMP runtimes already loaded in this process (never loads one: RTLD_NOLOAD)."""
+    if not hasattr(os, "RTLD_NOLOAD"):
+        return []  # no way to ask without loading one (not POSIX)
+    mode = os.RTLD_NOLOAD | os.RTLD_LAZY
+    found = []
+    for name in OPENMP_LIBRARIES:
+        try:
+            lib = ctypes.CDLL(name, mode=mode)
+        except OSError:
+            continue
+        if hasattr(lib, "omp_pause_resource_all"):
+            found.append(lib)
+    return found
+
+
+def release_openmp_threads() -> int:
+    """Free the calling thread's OpenMP thread pools (OpenMP 5.0's omp_pause_resource_all(omp_pause_soft)), in
+    every OpenMP runtime loaded. Call it on the thread that built an engine, before another thread runs it. Returns
+    how many runtimes released; 0 where none is loaded or none supports it (nothing changes then)."""
+    released = 0
+    for lib in loaded_openmp():
+        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+        lib.omp_pause_resource_all.restype = ctypes.c_int
+        if lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0:
+            released += 1
+    log.debug("released this thread's OpenMP threads in %d runtime(s)", released)
+    return released
