@@ -48,21 +48,25 @@ def test_release_frees_the_calling_threads_pool_and_it_comes_back_on_use():
     assert int(again) == int(with_pool) and same == "True", "made again on the next parallel region, same result"
 
 
-def test_background_engine_start_releases_the_starting_threads_pool(monkeypatch, tiny_dir: Path):
-    """The server builds the LLM on its main thread (profiles run there) and steps it on a worker: start() gives
-    the starting thread's OpenMP threads back first, so the worker's are the process's only ones."""
+def test_building_and_starting_release_the_threads_pool(monkeypatch, tiny_dir: Path):
+    """The server builds the LLM on its main thread (profiles run there) and steps it on a worker: building the
+    LLM and start() each give that thread's OpenMP threads back, so the worker's are the process's only ones."""
     from verispec import LLM, SamplingParams
     from verispec.engine import background
 
-    released: list[int] = []
-    monkeypatch.setattr(background, "release_openmp_threads",
-                        lambda: released.append(threading.get_ident()) or release_openmp_threads())
+    from verispec import api
+
+    released: list[tuple[str, int]] = []
+    for module in (api, background):
+        monkeypatch.setattr(module, "release_openmp_threads", lambda name=module.__name__: released.append(
+            (name, threading.get_ident())) or release_openmp_threads())
     llm = LLM(str(tiny_dir), dtype="float32", progress=False)
+    assert released == [("verispec.api", threading.get_ident())], "building gives this thread's pool back"
     bg = background.BackgroundEngine(llm.engine, llm.check_prompt_ids)
     bg.start()
     try:
         events = list(bg.submit([1, 5, 9], SamplingParams(temperature=0.0, max_tokens=3)).events(timeout=60))
     finally:
         bg.shutdown()
-    assert released == [threading.get_ident()]
+    assert released[1:] == [("verispec.engine.background", threading.get_ident())], "and so does start()"
     assert sum(len(e.token_ids) for e in events) == 3

@@ -24,6 +24,7 @@ from verispec.execution.hidden_states import hidden_states
 from verispec.execution.logprobs import Logprob, vllm_logprobs
 from verispec.execution.profile import profile_costs, profile_step_costs
 from verispec.execution.sampling import SamplingParams
+from verispec.execution.threads import release_openmp_threads
 from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
@@ -134,6 +135,10 @@ class LLM:
         self.check_state = check_state
         self._engine: Engine | None = None
         self._set_speculation(speculative_config)
+        # building ran kernels on this thread (the path's profile); give its OpenMP threads back so that a worker
+        # thread running this LLM later is the process's only OpenMP user (execution/threads.py); made again here
+        # on this thread's next forward
+        release_openmp_threads()
 
     def _choose_path(self, resolved: ResolvedModel, dtype: str, quantization: str | None, spec: SpeculativeConfig,
                      progress: bool, invariant: bool | None) -> PathChoice:
