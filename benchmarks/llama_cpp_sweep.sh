@@ -10,13 +10,17 @@
 # baselines as listed. Reports land in $OUT/{verispec,llama_cpp,engines}/report.{md,html,json,csv} + PNGs.
 #
 # Caveats, stated in every report's notes where they matter:
-#   - Same GGUF file (SmolLM2-135M-Instruct Q4_1), not the same arithmetic: llama.cpp computes on the Q4_1
-#     blocks, verispec dequantises them once and runs $DTYPE. Sweep 3's identity-vs-baseline column therefore
-#     measures agreement between engines, not losslessness; sweeps 1 and 2 are the lossless checks.
+#   - Same GGUF file (SmolLM2-135M-Instruct Q4_1), not the same bits: with DTYPE=auto (the default) verispec runs
+#     gguf-q8act, the file's own blocks with activations rounded to int8 per 32 values as llama.cpp's CPU backend
+#     does, but in its own order, and keeps K/V in float32 where llama.cpp keeps f16. Sweep 3's identity-vs-baseline
+#     column therefore measures agreement between engines, not losslessness; sweeps 1 and 2 are the lossless checks.
 #   - llama-cpp-python's server by default cuts a streaming request short when a new one arrives
 #     (interrupt_requests): a sweep at concurrency 2 saw 1/6 outputs intact. The script turns that off.
 #   - llama-cpp-python's server runs one request at a time (a lock around the model): at concurrency > 1 its
 #     requests queue, which shows in TTFT and time-to-headers, not as batching.
+#   - verispec serves without prefix caching here: every level sends the same prompts, and a verispec server would
+#     find them cached at every level after the first, while llama-cpp-python's server keeps only the common prefix
+#     with the request before (the chat template's header, which verispec then prefills each time).
 #   - llama-cpp-python exports no /metrics: its tau is "n/a" (its prompt-lookup acceptance is not observable).
 #   - Token counts: verispec returns token ids per chunk (exact); llama.cpp streams one token per chunk and the
 #     client counts chunks (or its final usage where it sends one): the report says which per endpoint.
@@ -40,10 +44,12 @@ set -euo pipefail
 LEVELS=${LEVELS:-1,2,4}
 RATES=${RATES:-}                       # e.g. 0.5,1 for open-loop levels as well
 REQUESTS=${REQUESTS:-16}
+REPEATS=${REPEATS:-1}                  # every level this many times, the two endpoints' order alternating
+WARMUP=${WARMUP:-0}                    # unmeasured requests per endpoint before the first level
 MAX_TOKENS=${MAX_TOKENS:-64}
 MAX_SECONDS=${MAX_SECONDS:-300}
 WORKLOADS=${WORKLOADS:-}               # default: every shipped workload, mixed
-DTYPE=${DTYPE:-float32}
+DTYPE=${DTYPE:-auto}                   # verispec's weight path: auto = what serve picks (gguf-q8act on x86)
 THREADS=${THREADS:-$(nproc)}
 CTX=${CTX:-2048}
 K=${K:-4}                              # draft tokens per step, both engines
@@ -90,7 +96,8 @@ start_verispec() {  # name, port, method
   local extra=()
   [ "$3" != none ] && extra=(--method "$3" --num-speculative-tokens "$K")
   "$PY" -m verispec.cli serve --model "$GGUF" --dtype "$DTYPE" --device cpu --port "$2" \
-    --max-model-len "$CTX" --scheduler static --max-num-seqs 16 --log-level warning "${extra[@]}" \
+    --max-model-len "$CTX" --scheduler static --max-num-seqs 16 --no-enable-prefix-caching --log-level warning \
+    "${extra[@]}" \
     >"$OUT/$1.log" 2>&1 &
   PIDS+=($!); wait_up "http://127.0.0.1:$2" $! "$1"
 }
@@ -107,7 +114,8 @@ start_llama_cpp() {  # name, port, spec (yes|no)
 sweep() {  # out-subdir, endpoint, label, baseline-endpoint, baseline-label
   local args=(--endpoint "$2" --label "$3" --baseline-endpoint "$4" --baseline-label "$5"
               --concurrency "$LEVELS" --requests-per-level "$REQUESTS" --max-tokens "$MAX_TOKENS"
-              --max-seconds-per-level "$MAX_SECONDS" --out "$OUT/$1")
+              --max-seconds-per-level "$MAX_SECONDS" --repeats "$REPEATS" --warmup-requests "$WARMUP"
+              --out "$OUT/$1")
   [ -n "$RATES" ] && args+=(--request-rate "$RATES")
   [ -n "$WORKLOADS" ] && args+=(--workloads "$WORKLOADS")
   log "sweep $1: $3 ($2) against $5 ($4)"
