@@ -19,13 +19,15 @@ import os
 
 log = logging.getLogger(__name__)
 
-# OpenMP runtimes torch may have loaded (GNU on Linux, LLVM's on macOS and some builds, Intel's)
-OPENMP_LIBRARIES = ("libgomp.so.1", "libomp.so", "libomp.dylib", "libiomp5.so")
+# GNU's only: its pause frees the calling thread's own pool and nothing else, however many threads run parallel
+# regions meanwhile, and its barrier throttling is what the hand-over trips. LLVM's and Intel's runtimes share one
+# pool between threads, and their pause stops the whole runtime: not something to do with a server running.
+OPENMP_LIBRARIES = ("libgomp.so.1",)
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime's state
 
 
 def loaded_openmp() -> list[ctypes.CDLL]:
-    """The OpenMP runtimes already loaded in this process (never loads one: RTLD_NOLOAD)."""
+    """The OpenMP runtimes of OPENMP_LIBRARIES already loaded in this process (never loads one: RTLD_NOLOAD)."""
     if not hasattr(os, "RTLD_NOLOAD"):
         return []  # no way to ask without loading one (not POSIX)
     mode = os.RTLD_NOLOAD | os.RTLD_LAZY
@@ -41,9 +43,9 @@ def loaded_openmp() -> list[ctypes.CDLL]:
 
 
 def release_openmp_threads() -> int:
-    """Free the calling thread's OpenMP thread pools (OpenMP 5.0's omp_pause_resource_all(omp_pause_soft)), in
-    every OpenMP runtime loaded. Call it on the thread that built an engine, before another thread runs it. Returns
-    how many runtimes released; 0 where none is loaded or none supports it (nothing changes then)."""
+    """Free the calling thread's OpenMP thread pool (OpenMP 5.0's omp_pause_resource_all(omp_pause_soft)) in GNU's
+    runtime, where loaded. Call it on the thread that built an engine, before another thread runs it. Returns how
+    many runtimes released; 0 where none is loaded or it lacks the call (nothing changes then)."""
     released = 0
     for lib in loaded_openmp():
         lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
