@@ -67,7 +67,8 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(DEFAULT_MODEL, progress=False, max_num_seqs=1)
     chat = load_workload("chat")
-    prompts = [llm.encode(llm.apply_chat_template(list(chat[i].messages)))[1] for i in range(args.prompts)]
+    prompts = [llm.tokenizer(llm.apply_chat_template(list(chat[i].messages)), add_special_tokens=False)["input_ids"]
+               for i in range(args.prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     run_arm(llm, "main", prompts[:1], sp)  # warm-up
     load = MachineLoad()

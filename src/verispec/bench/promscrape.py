@@ -77,7 +77,7 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     config: dict[str, str] = {}
     queue = [0.0, 0.0, False]  # sum, count, seen
     steps: dict[str, float] = {}
-    cache_counts: dict[str, float] = {}  # "family:queries" / "family:hits"
+    cache_counts: dict[str, dict[str, float]] = {}  # family -> prefix-cache "queries" / "hits"
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == CONFIG_INFO:
@@ -97,8 +97,7 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
             if prefix in FAMILIES:
                 for key, metric in PREFIX_COUNTERS.items():
                     if short == metric:
-                        prefix_key = f"{prefix}:{key}"
-                        cache_counts[prefix_key] = cache_counts.get(prefix_key, 0.0) + s.value
+                        cache_counts.setdefault(prefix, dict.fromkeys(PREFIX_COUNTERS, 0.0))[key] += s.value
                 snap = found[prefix]
                 for key, metric in COUNTERS.items():
                     if short == metric:
@@ -117,8 +116,7 @@ def parse_spec_metrics(text: str) -> SpecSnapshot:
     for key, n in gauge_n.items():
         found["sglang"].gauges[key] /= n
     q = (queue[0], queue[1]) if queue[2] else None
-    cached = next(({k: cache_counts.get(f"{f}:{k}", 0.0) for k in PREFIX_COUNTERS} for f in FAMILIES
-                   if f"{f}:queries" in cache_counts), {})
+    cached = next((cache_counts[f] for f in FAMILIES if f in cache_counts), {})
     for f in (*FAMILIES, "sglang"):
         if f in seen:
             found[f].busy, found[f].config, found[f].queue, found[f].steps = busy, config, q, steps
