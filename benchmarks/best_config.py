@@ -18,6 +18,7 @@ other two bars (none below x0.95 of plain on chat, EAGLE-3 at least x1.2 on code
 asked to draft: what keeping a learned drafter beside the target costs when the policy turns it off.
 
     python benchmarks/best_config.py --limit 30 --repeats 2      (about 6 minutes on a 2-core CPU)
+    python benchmarks/best_config.py --limit 30 --repeats 2 --max-tokens 0   # each prompt's own length (192 here)
     python benchmarks/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
     python benchmarks/best_config.py --learned --workloads chat --phases   # + ms per step by phase, per arm
 """

@@ -59,6 +59,28 @@ def test_every_prompt_and_repeat_runs_every_arm_in_rotating_order_and_identity_i
     assert rows["a"][2].phases == pytest.approx((3e-3, 6e-3, 9e-3, 12e-3))
 
 
+def test_own_length_runs_each_prompt_to_its_own_max_tokens():
+    from verispec import SamplingParams
+
+    seen: list = []
+
+    class _Len(_Arm):
+        def chat(self, conversations, params, use_tqdm=False):
+            seen.append((self.name, conversations[0][0]["content"], params.max_tokens, params.temperature))
+            return super().chat(conversations, params, use_tqdm)
+
+    log: list = []
+    prompts = [SimpleNamespace(messages=[{"role": "user", "content": i}], max_tokens=m) for i, m in enumerate((5, 9))]
+    toks = {i: [i] for i in range(2)}
+    engines = {"plain": _Len("plain", log, toks), "a": _Len("a", log, toks)}
+    params = SamplingParams(temperature=0, max_tokens=3)
+    run_interleaved(engines, prompts, params, repeats=1, own_length=True)
+    assert sorted(seen) == sorted((n, i, m, 0) for n in engines for i, m in enumerate((5, 9)))
+    seen.clear()
+    run_interleaved(engines, prompts, params, repeats=1)  # the given length for every prompt
+    assert {m for *_, m, _ in seen} == {3}
+
+
 def test_phase_row_is_ms_per_step_of_each_phase_and_the_rest():
     runs = [ArmRun(0, 0, 10, 0.050, 1, 0, True, steps=4, phases=(0.001, 0.002, 0.030, 0.005)),
             ArmRun(0, 1, 10, 0.070, 1, 0, True, steps=6, phases=(0.002, 0.000, 0.050, 0.008))]

@@ -3,6 +3,7 @@ that rotates, so a noisy neighbour slows all arms alike (MEASURE.md: ratios from
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -57,11 +58,12 @@ def phase_row(runs: Sequence[ArmRun]) -> dict[str, float] | None:
 
 
 def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: Any, repeats: int,
-                    baseline: str = "plain") -> dict[str, list[ArmRun]]:
+                    baseline: str = "plain", own_length: bool = False) -> dict[str, list[ArmRun]]:
     """Each engine (an `LLM`) chats each prompt (a workload prompt with `.messages`) once per repeat; the arms'
     order rotates by one per prompt and repeat. Returns per arm its runs in (repeat, prompt) order. What drafters
     learn across requests (the suffix cache of earlier outputs, n-gram survival counts) is forgotten at the start of
-    every repeat: a repeat would otherwise find its own greedy outputs from the one before."""
+    every repeat: a repeat would otherwise find its own greedy outputs from the one before. With `own_length`, each
+    prompt runs to its own `max_tokens` (the workload's length) instead of `params`' (a `SamplingParams`)."""
     names = list(engines)
     if baseline not in engines:
         raise ValueError(f"the baseline arm {baseline!r} is not among {names}")
@@ -72,9 +74,10 @@ def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: 
         for i, p in enumerate(prompts):
             r = (rep * len(prompts) + i) % len(names)
             outs = {}
+            sp = dataclasses.replace(params, max_tokens=p.max_tokens) if own_length else params
             for name in names[r:] + names[:r]:
                 c0, t0 = _clock(engines[name]), time.perf_counter()
-                o = engines[name].chat([list(p.messages)], params, use_tqdm=False)[0]
+                o = engines[name].chat([list(p.messages)], sp, use_tqdm=False)[0]
                 dt = time.perf_counter() - t0
                 outs[name] = (list(o.token_ids), o.stats, dt, _clock_delta(c0, _clock(engines[name])))
             want = outs[baseline][0]
@@ -119,7 +122,8 @@ def compare_arms(description: str, arms: Callable[[Any, int], dict[str, Any]], a
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=default_limit)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="output tokens per request; 0: each prompt's own (the workload's: 192, chat 128)")
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per step of the adaptive policies")
     ap.add_argument("--phases", action="store_true",
                     help="also a table of each arm's ms per engine step by phase (where an arm's time goes)")
@@ -130,14 +134,16 @@ def compare_arms(description: str, arms: Callable[[Any, int], dict[str, Any]], a
         if e.spec.method != "none":
             _ = e.costs  # the start-up profile, outside the timed runs
     print(base.path_choice.describe())
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    print("output tokens per request:", args.max_tokens or "each prompt's own (the workload's max_tokens)")
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens or 1)  # 0: replaced per prompt
     print("\n| workload | arm | tok/s | pooled, per repeat | decode only, pooled | per prompt (min..max) | tau "
           "| drafted per step | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
     load = MachineLoad().start()
     phase_rows = []
     for wl in args.workloads.split(","):
-        rows = run_interleaved(engines, load_workload(wl, limit=args.limit), sp, args.repeats)
+        rows = run_interleaved(engines, load_workload(wl, limit=args.limit), sp, args.repeats,
+                               own_length=args.max_tokens == 0)
         phase_rows += [(wl, name, phase_row(rs)) for name, rs in rows.items()]
         for name, rs in rows.items():
             pooled = " / ".join(f"x{x:.2f}" for x in pooled_ratios(rs, rows["plain"], args.repeats))
