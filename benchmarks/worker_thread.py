@@ -75,7 +75,7 @@ def main() -> None:
     load.start()
     got: dict[str, list[tuple[float, float]]] = {a: [] for a in ARMS}
     for r in range(args.repeats):
-        for arm in ARMS[r % 3:] + ARMS[: r % 3]:
+        for arm in ARMS[r % len(ARMS):] + ARMS[: r % len(ARMS)]:
             got[arm].append(run_arm(llm, arm, prompts, sp))
     load.stop()
     print(f"{llm.path_choice.path.name} on {cpu_info().label()}, torch threads {torch.get_num_threads()}; "
