@@ -21,10 +21,14 @@ asked to draft: what keeping a learned drafter beside the target costs when the 
     python benchmarks/best_config.py --limit 30 --repeats 2 --max-tokens 0   # each prompt's own length (192 here)
     python benchmarks/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
     python benchmarks/best_config.py --learned --workloads chat --phases   # + ms per step by phase, per arm
+    python benchmarks/best_config.py --learned --probe-shares 0.005 --limit 30 --repeats 2 --max-tokens 0
+                                     # + each learned drafter with its probes priced at 0.5% of the plain steps
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 
 from verispec import LLM
@@ -45,10 +49,13 @@ def model_free_arms(base: LLM, k: int) -> dict[str, LLM]:
     return out
 
 
-def learned_arms(base: LLM, k: int) -> dict[str, LLM]:
+def learned_arms(base: LLM, k: int, probe_shares: tuple[float, ...] = ()) -> dict[str, LLM]:
     out: dict[str, LLM] = {"plain": base}
     for method in LEARNED:
         out[method] = base.with_speculation(method_spec(method, LEARNED_K))
+        for share in probe_shares:  # the same drafter, its probes priced at another share of the plain steps
+            arm = out[f"{method}, probe share {share:g}"] = base.with_speculation(method_spec(method, LEARNED_K))
+            arm.engine.config = dataclasses.replace(arm.engine.config, probe_share=share)
     never = base.with_speculation(method_spec("eagle3", LEARNED_K))
     never.engine.policy.draft_lengths = lambda cands, base_tokens: [0] * len(cands)
     out["eagle3, never drafts"] = never
@@ -59,9 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     learned = "--learned" in argv
     argv = [a for a in argv if a != "--learned"]
+    shares: tuple[float, ...] = ()
+    if "--probe-shares" in argv:
+        i = argv.index("--probe-shares")
+        shares = tuple(float(x) for x in argv[i + 1].split(","))
+        del argv[i : i + 2]
+        if not learned:
+            raise SystemExit("--probe-shares adds learned drafters' arms: give it with --learned")
     if "--workloads" not in argv:
         argv += ["--workloads", "chat,code" if learned else STRUCTURED]
-    return compare_arms(__doc__, learned_arms if learned else model_free_arms, argv, default_limit=10)
+    arms = functools.partial(learned_arms, probe_shares=shares) if learned else model_free_arms
+    return compare_arms(__doc__, arms, argv, default_limit=10)
 
 
 if __name__ == "__main__":

@@ -237,8 +237,8 @@ def test_drafting_time_is_per_proposed_token_verified_or_not():
 
 def test_probes_of_a_dear_drafter_wait_until_its_drafting_is_a_small_share_of_the_plain_steps():
     """A probe is due after the back-off's plain steps (8 first), and for a drafter whose proposal costs 11 ms against
-    8 ms forwards no sooner than 0.011 / (0.02 x 0.008) = 68.75 -> 69 plain steps; a proposal of 0.1 ms changes
-    nothing (0.1 / 0.16 -> 1 step), and neither does an unknown step time."""
+    8 ms forwards, at the default share of 2%, no sooner than 0.011 / (0.02 x 0.008) = 68.75 -> 69 plain steps; a proposal of
+    0.1 ms changes nothing (0.1 / 0.16 -> 1 step), and neither does an unknown step time."""
     def first_due(est: AcceptanceEstimator, step_s: float) -> int:
         return next(i for i in range(1, 1000) if est.plain_step(step_s))
 
@@ -248,6 +248,10 @@ def test_probes_of_a_dear_drafter_wait_until_its_drafting_is_a_small_share_of_th
     assert first_due(cheap, 0.008) == 8
     assert first_due(untimed, 0.008) == 8
     assert first_due(AcceptanceEstimator(timing=DraftTiming(per_proposal=0.011)), 0.0) == 8
+    # a share of 0.5%: 0.011 / (0.005 x 0.008) = 275 plain steps; the cheap drafter still every 8
+    dear, cheap = AcceptanceEstimator(probe_share=0.005), AcceptanceEstimator(probe_share=0.005)
+    dear.draft_cost_per_proposal, cheap.draft_cost_per_proposal = 0.011, 0.0001
+    assert (first_due(dear, 0.008), first_due(cheap, 0.008)) == (275, 8)
 
 
 @pytest.mark.parametrize("a,b", [(1.5e-4, 0.0), (0.0, 2.5e-3), (3e-3, 1e-3)])

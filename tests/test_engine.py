@@ -551,3 +551,23 @@ def test_abort_frees_slot_and_kv_at_once(tiny):
     eng.run_to_completion()
     assert eng.kv_tokens() == 0 and eng.kv_usage() == 0.0
     assert not eng.abort("no-such-request")
+
+
+def test_the_engine_gives_its_probe_share_to_every_request_estimator(tiny):
+    """`EngineConfig.probe_share` is what a running request's estimators (chain and tree) price probes with: the
+    default 2%, or the share given."""
+    import dataclasses
+
+    from verispec.engine.costs import PROBE_SHARE
+    from verispec.state.request import Request
+
+    llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "draft_tree": "auto"})
+    assert llm.engine.config.probe_share == PROBE_SHARE == 0.02
+    llm.engine.config = dataclasses.replace(llm.engine.config, probe_share=0.123)
+    llm.engine.add_request(Request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+    for _ in range(4):  # prefill, then decode steps with both shapes' estimators made
+        llm.engine.step()
+    live = llm.engine.running[0]
+    assert live.estimator.probe_share == live.tree_estimator.probe_share == 0.123
+    llm.engine.run_to_completion()

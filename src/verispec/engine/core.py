@@ -25,7 +25,7 @@ from typing import Callable
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
 from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
-from verispec.engine.costs import AcceptanceEstimator
+from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.draft_timing import DraftTiming
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
@@ -58,6 +58,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens in one forward: decode blocks + prefill chunks
     num_speculative_tokens: int = 4  # K, the most draft tokens per request and step
     draft_tree: bool | str = False  # drafters that can propose trees of K nodes (depth <= K) do; "auto": per step
+    probe_share: float = PROBE_SHARE  # a dear drafter's probes: at most this share of the plain steps' time
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
@@ -368,7 +369,7 @@ class Engine:
             live.clear_draft()
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
-            est = AcceptanceEstimator(timing=self._draft_timing.copy())
+            est = AcceptanceEstimator(timing=self._draft_timing.copy(), probe_share=self.config.probe_share)
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
                                one_pass=getattr(drafter, "drafts_in_one_pass", False))

@@ -73,7 +73,8 @@ class LiveRequest:
         """"draft_tree": "auto": this step's shape by `prefer_tree`, except that every SHAPE_RETRY_EVERY-th step
         takes the other one, so that its estimate follows the request (a shape never tried would keep its prior)."""
         if self.tree_estimator is None:  # its drafting time starts from the chains' (unknown would be free)
-            self.tree_estimator = AcceptanceEstimator(timing=self.estimator.timing.copy())
+            self.tree_estimator = AcceptanceEstimator(timing=self.estimator.timing.copy(),
+                                                        probe_share=self.estimator.probe_share)
         best = prefer_tree(self.estimator, self.tree_estimator, k, step_s)
         self.shape_steps += 1
         if self.shape_steps >= SHAPE_RETRY_EVERY:
