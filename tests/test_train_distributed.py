@@ -41,7 +41,8 @@ def setup(tmp_path_factory):
 def args(setup, out: Path, *extra: str) -> list[str]:
     return ["train", "dspark", "--data", str(setup["data"]), "--out", str(out), "--model", str(setup["root"] /
             "target"), "--device", "cpu", "--layers", "1", "--block-size", "4", "--markov-rank", "8", "--anchors", "4",
-            "--batch-seqs", "2", "--accum", str(ACCUM), "--steps", str(STEPS), "--save-every", "1", *extra]
+            "--batch-seqs", "2", "--accum", str(ACCUM), "--steps", str(STEPS), "--save-every", "1", "--amp", "off",
+            *extra]
 
 
 def launch(argv: list[str], dump: Path, kill_at: int = 0) -> subprocess.CompletedProcess:

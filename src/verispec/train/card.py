@@ -56,7 +56,8 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
         f"{meta.get('quantization') or meta.get('dtype')}), on the same machine {load}.",
         f"- Training: {float(wall) / 60:.1f} min wall-clock on 2 CPU cores (budget-limited)"
         + (f", {log['train_tokens_per_s']:.0f} trained positions per second of step time on "
-           f"{log.get('world_size', 1)} rank(s)." if log.get("train_tokens_per_s") else "."),
+           f"{log.get('world_size', 1)} rank(s)" + (", bf16 autocast" if log.get("amp") == "bf16" else "")
+           + "." if log.get("train_tokens_per_s") else "."),
         "",
         "## Measured",
         "",

@@ -52,7 +52,7 @@ class TrainConfig:
     save_every: int = 100  # steps between checkpoints (when training writes to a directory)
     heldout_frac: float = 0.1
     seed: int = 0
-    amp: bool = False  # bf16 autocast on CUDA
+    amp: str = "off"  # bf16 autocast: "bf16", "off" or "auto" (`train.loop.amp_choice`)
 
     def loop(self) -> LoopConfig:
         return LoopConfig(steps=self.steps, max_minutes=self.max_minutes, lr=self.lr, warmup=self.warmup,
@@ -258,8 +258,8 @@ def add_args(parser, method: str) -> None:
     parser.add_argument("--data", required=True, help="training data directory (from `verispec train data`)")
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--model", default=None, help="the target model (default: the one named in the data)")
-    parser.add_argument("--dtype", default="float32", help="dtype the target is loaded in; bf16 on CUDA trains "
-                        "with bf16 autocast (float32 master weights)")
+    parser.add_argument("--dtype", default="float32", help="dtype the target is loaded in; bfloat16 also trains "
+                        "with bf16 autocast (float32 master weights), whatever --amp says")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--layers", type=int, default=None, help="draft decoder layers (default 3; --quick: 1)")
     parser.add_argument("--block-size", type=int, default=8, help="block size B (anchor + B-1 drafts)")
@@ -331,7 +331,7 @@ def run(args, method: str) -> dict:
     tc = TrainConfig(steps=steps, max_minutes=args.max_minutes, lr=args.lr, anchors_per_seq=args.anchors,
                      seqs_per_step=args.batch_seqs, accum=args.accum, seed=args.seed,
                      eval_every=10 if args.quick else 50, save_every=args.save_every,
-                     amp=parse_dtype(args.dtype) == torch.bfloat16)
+                     amp="bf16" if parse_dtype(args.dtype) == torch.bfloat16 else args.amp)
     data = rank_data(args.data, dist, cfg.feature_layers, tc.heldout_frac, tc.seed,
                      usable=lambda r: has_anchors(r.length, r.prompt_len))
     task = BlockTask(model, data.train, data.held, tc)

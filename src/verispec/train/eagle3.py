@@ -234,7 +234,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
           max_minutes: float | None = 60.0, max_updates: int | None = None, lr: float = 1e-3, batch: int = 4,
           max_len: int = 768, holdout: float = 0.05, seed: int = 0, intermediate_size: int | None = None,
           eval_every: int = 50, save_every: int = 100, resume: bool = True, dist: Dist | None = None,
-          progress: bool = True, init: str | None = None) -> dict:
+          progress: bool = True, init: str | None = None, amp: str = "off") -> dict:
     """Train a head on this rank's share of `data_dir` (`batch` sequences per rank and step), checkpointing into
     out_dir (resumed from the newest checkpoint there); rank 0 writes the head and its log."""
     dist = dist or Dist.single("cpu")
@@ -249,7 +249,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
     task = Eagle3Task(head, data.train, data.held, out_w, steps, max_len, progress and dist.is_writer)
     loop = LoopConfig(steps=max_updates, max_minutes=None if max_updates else max_minutes, lr=lr, warmup=20,
                       final_lr=0.05, weight_decay=0.0, grad_clip=0.5, accum=batch, eval_every=eval_every,
-                      save_every=save_every, seed=seed)
+                      save_every=save_every, seed=seed, amp=amp)
     fingerprint = {"data": str(Path(data_dir).resolve()), "sequences": meta.get("num_sequences"),
                    "head": repr(head.cfg), "max_len": max_len, "init": init}
     log = train_loop(task, loop, dist, out_dir, fingerprint, resume=resume, progress=progress)
@@ -261,7 +261,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
             "train_tokens_per_s": log["train_tokens_per_s"], "heldout_before": log["heldout"][0],
             "heldout_after": log["heldout"][-1], "heldout_curve": log["heldout"],
             "curve": log["loss"][:: max(1, len(log["loss"]) // 200)], "resumed_at": log.get("resumed_at", []),
-            "init": init}
+            "init": init, "amp": log["amp"]}
     if dist.is_writer:
         head.save_pretrained(out_dir, {"target": meta.get("model")})
         (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
@@ -298,6 +298,6 @@ def run(args: argparse.Namespace) -> dict:
                      max_minutes=args.max_minutes, max_updates=args.updates, lr=args.lr, batch=args.batch,
                      max_len=args.max_len, seed=args.seed, intermediate_size=args.intermediate_size,
                      eval_every=args.eval_every, save_every=args.save_every, resume=not args.no_resume, dist=dist,
-                     init=None if args.init is None else str(resolve_drafter(args.init)))
+                     init=None if args.init is None else str(resolve_drafter(args.init)), amp=args.amp)
     finally:
         dist.close()
