@@ -87,7 +87,7 @@ def test_bf16_autocast_trains_like_float32_and_is_really_on(tiny, data_dir):
 
 def test_amp_auto_is_bf16_where_the_cpu_computes_bf16(monkeypatch):
     """`--amp auto` (the CLI default): bf16 autocast on a CPU with AVX-512 BF16 or AMX-BF16, float32 on one
-    without (AVX2 would emulate bf16, slower than float32); "bf16" and "off" as given; a bad name is refused."""
+    without (AVX2 has no bf16 arithmetic); "bf16" and "off" as given; a bad name is refused."""
     from verispec.execution import cpu
     from verispec.train.loop import LoopConfig, amp_choice
 

@@ -29,8 +29,8 @@ AMP_CHOICES = ("auto", "bf16", "off")
 def amp_choice(amp: str, device: torch.device) -> str:
     """"bf16" or "off": what `amp` means on `device`. "auto" is bf16 autocast where the device computes in bf16
     natively (a CUDA GPU that supports it; a CPU with AVX-512 BF16 or AMX, where oneDNN runs bf16 matmuls: on a
-    2-core Zen 4, EAGLE-3 trained x1.7 faster so, README) and float32 elsewhere (an AVX2 CPU would emulate bf16,
-    slower than float32). Master weights and the optimizer stay float32 either way."""
+    2-core Zen 4, EAGLE-3 trained x1.7 faster so, README) and float32 elsewhere (an AVX2 CPU has no bf16 arithmetic
+    and would only convert back and forth). Master weights and the optimizer stay float32 either way."""
     if amp != "auto":
         return amp
     if device.type == "cuda":
