@@ -25,6 +25,7 @@ def pipeline(tmp_path_factory):
                  "--shard-size", "4", "--max-num-seqs", "4"]) == 0
     for method in ("eagle3", "dflash", "dspark"):
         extra = [] if method == "eagle3" else ["--steps", "8"]
+        extra += [] if method == "dflash" else ["--holdout", "0.25"]  # dflash keeps its default share, 0.1
         assert main(["train", method, "--data", str(data), "--out", str(root / method), "--quick", *extra]) == 0
     return root
 
@@ -35,6 +36,21 @@ def test_data_and_checkpoints(pipeline):
     for method in ("eagle3", "dflash", "dspark"):
         assert (pipeline / method / "model.safetensors").exists() and (pipeline / method / "config.json").exists()
         assert (pipeline / method / "train_log.json").exists()
+
+
+def test_holdout_share(pipeline):
+    """--holdout sets how many of the 8 sequences the learning curve is measured on (0.25: 2); without it each
+    method keeps its default share (DFlash 0.1: 1)."""
+    held = {m: json.loads((pipeline / m / "train_log.json").read_text())["heldout_sequences"]
+            for m in ("eagle3", "dflash", "dspark")}
+    assert held == {"eagle3": 2, "dflash": 1, "dspark": 2}
+
+
+def test_holdout_refused_outside_0_1(tmp_path, capsys):
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            main(["train", "eagle3", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--holdout", bad])
+        assert "--holdout must be" in capsys.readouterr().err
 
 
 def test_export_eagle3(pipeline):

@@ -331,12 +331,13 @@ def run(args, method: str) -> dict:
     tc = TrainConfig(steps=steps, max_minutes=args.max_minutes, lr=args.lr, anchors_per_seq=args.anchors,
                      seqs_per_step=args.batch_seqs, accum=args.accum, seed=args.seed,
                      eval_every=10 if args.quick else 50, save_every=args.save_every,
-                     amp="bf16" if parse_dtype(args.dtype) == torch.bfloat16 else args.amp)
+                     amp="bf16" if parse_dtype(args.dtype) == torch.bfloat16 else args.amp,
+                     **({} if args.holdout is None else {"heldout_frac": args.holdout}))
     data = rank_data(args.data, dist, cfg.feature_layers, tc.heldout_frac, tc.seed,
                      usable=lambda r: has_anchors(r.length, r.prompt_len))
     task = BlockTask(model, data.train, data.held, tc)
     fingerprint = {"method": method, "data": str(Path(args.data).resolve()), "sequences": meta.get("num_sequences"),
-                   "drafter": repr(cfg), "init": args.init}
+                   "drafter": repr(cfg), "init": args.init, "holdout": tc.heldout_frac}
     log = train_loop(task, tc.loop(), dist, args.out, fingerprint, resume=not args.no_resume)
     log.update(train_sequences=data.train_total, heldout_sequences=data.held_total)
     if cfg.dspark:

@@ -251,7 +251,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
                       final_lr=0.05, weight_decay=0.0, grad_clip=0.5, accum=batch, eval_every=eval_every,
                       save_every=save_every, seed=seed, amp=amp)
     fingerprint = {"data": str(Path(data_dir).resolve()), "sequences": meta.get("num_sequences"),
-                   "head": repr(head.cfg), "max_len": max_len, "init": init}
+                   "head": repr(head.cfg), "max_len": max_len, "init": init, "holdout": holdout}
     log = train_loop(task, loop, dist, out_dir, fingerprint, resume=resume, progress=progress)
     info = {"method": "eagle3", "data": str(data_dir), "data_meta": {k: meta.get(k) for k in ("model", "prompt_files",
             "num_sequences", "tokens")}, "updates": log["steps"], "sequences_per_update": batch * dist.world,
@@ -298,6 +298,7 @@ def run(args: argparse.Namespace) -> dict:
                      max_minutes=args.max_minutes, max_updates=args.updates, lr=args.lr, batch=args.batch,
                      max_len=args.max_len, seed=args.seed, intermediate_size=args.intermediate_size,
                      eval_every=args.eval_every, save_every=args.save_every, resume=not args.no_resume, dist=dist,
-                     init=None if args.init is None else str(resolve_drafter(args.init)), amp=args.amp)
+                     init=None if args.init is None else str(resolve_drafter(args.init)), amp=args.amp,
+                     holdout=0.05 if args.holdout is None else args.holdout)
     finally:
         dist.close()
