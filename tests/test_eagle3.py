@@ -69,6 +69,22 @@ def test_init_continues_from_a_trained_head(setup, tmp_path):
                  progress=False, init=str(root / "head"))
 
 
+def test_soft_labels_are_the_targets_top_tokens_on_the_rows_the_loss_reads(setup):
+    """From the last prompt position on, each row is the top TOPK of the full softmax of last_hidden @ W_out^T
+    (computed here directly); the prompt rows before it carry no probability mass, so the loss cannot use them."""
+    llm = setup["llm"]
+    out_w = llm.model.output_weight().detach().float()
+    seq = load_all(setup["root"] / "data")[0]
+    lab = te.soft_labels(seq, out_w, max_len=30)
+    T, start = min(len(seq.ids), 30), seq.prompt_len - 1
+    assert lab.ids.shape == lab.probs.shape == (T, te.TOPK)
+    full = torch.softmax(seq.last_hidden[:T].float() @ out_w.T, dim=-1)
+    want_p, want_i = full.topk(te.TOPK, dim=-1)
+    assert torch.equal(lab.ids[start:], want_i[start:])
+    torch.testing.assert_close(lab.probs[start:], want_p[start:], rtol=1e-5, atol=1e-7)
+    assert float(lab.probs[:start].abs().sum()) == 0.0
+
+
 def test_build_vocab_keeps_the_most_frequent_response_tokens():
     from verispec.train.shards import TrainSequence
 

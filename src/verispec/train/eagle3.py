@@ -114,9 +114,16 @@ class SoftLabels:
 
 
 def soft_labels(seq: TrainSequence, out_w: torch.Tensor, max_len: int) -> SoftLabels:
+    """Only the rows the loss reads (from the last prompt position on) go through the vocabulary projection; the
+    prompt's rows are zero-probability placeholders (the projection is most of the cost on a large data set)."""
+    T = min(len(seq.ids), max_len)
+    start = min(max(0, seq.prompt_len - 1), T)
     with torch.no_grad():
-        p = torch.softmax(target_logits(seq.last_hidden[:max_len].to(out_w.device), out_w).float(), dim=-1)  # [T, V]
+        h = seq.last_hidden[start:T].to(out_w.device)
+        p = torch.softmax(target_logits(h, out_w).float(), dim=-1)  # [T - start, V]
         probs, ids = p.topk(TOPK, dim=-1)
+        ids = torch.cat([ids.new_zeros(start, TOPK), ids])  # [T, TOPK]
+        probs = torch.cat([probs.new_zeros(start, TOPK), probs])
     return SoftLabels(ids, probs)
 
 
