@@ -306,6 +306,6 @@ def run(args: argparse.Namespace) -> dict:
                      max_len=args.max_len, seed=args.seed, intermediate_size=args.intermediate_size,
                      eval_every=args.eval_every, save_every=args.save_every, resume=not args.no_resume, dist=dist,
                      init=None if args.init is None else str(resolve_drafter(args.init)), amp=args.amp,
-                     holdout=0.05 if args.holdout is None else args.holdout)
+                     **({} if args.holdout is None else {"holdout": args.holdout}))
     finally:
         dist.close()
