@@ -619,6 +619,30 @@ def test_selector_cli_writes_the_drafter_with_its_selector(trained, tiny, data_d
     assert load(tmp_path / "dflash", tiny[2]).selector is None  # the source stays as it was
 
 
+def test_selector_cli_max_sequences_trains_on_a_seeded_subset(trained, tiny, data_dir, tmp_path, capsys):
+    """--max-sequences N: N distinct sequences of the data, in data order, the same N on every run; bad values are
+    refused with a message."""
+    from verispec.cli import main
+    from verispec.train.selector import subset
+
+    seqs = load_all(data_dir)
+    a, b = subset(seqs, 6), subset(seqs, 6)
+    pos = [next(i for i, s in enumerate(seqs) if s is q) for q in a]
+    assert len(a) == 6 and pos == sorted(set(pos)) and [id(q) for q in a] == [id(q) for q in b]
+    assert subset(seqs, None) is seqs and subset(seqs, len(seqs) + 5) is seqs
+    trained["dflash"][0].save_pretrained(tmp_path / "dflash")
+    args = ["train", "selector", "--drafter", str(tmp_path / "dflash"), "--data", str(data_dir), "--out",
+            str(tmp_path / "sel"), "--model", tiny[0], "--steps", "2", "--top-m", "4", "--rank", "4", "--batch", "16",
+            "--anchors-per-seq", "4"]
+    assert main(args + ["--max-sequences", "6"]) == 0
+    log = json.loads((tmp_path / "sel" / "selector_log.json").read_text())
+    assert log["sequences"] == 6 and log["train_anchors"] + log["heldout_anchors"] <= 6 * 4
+    for bad in ("1", "x"):
+        with pytest.raises(SystemExit):
+            main(args + ["--max-sequences", bad])
+        assert "--max-sequences must be" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_a_q8_0_drafter_drafts_like_the_float_one_and_stays_lossless(trained, tiny, tmp_path, method):
     """`quantize_q8act` (the drafter beside a gguf-q8act target): every linear on the kernel with int8 activations

@@ -10,6 +10,7 @@ same anchors: first-position accuracy and the accepted run length (tokens matchi
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import time
@@ -167,6 +168,28 @@ def add_args(parser) -> None:
     parser.add_argument("--batch", type=int, default=256, help="anchors per step")
     parser.add_argument("--anchors-per-seq", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-sequences", type=_count, default=None,
+                        help="train on a random subset of this many sequences (seeded); running the drafter over "
+                             "every sequence of a large data set first takes hours on a CPU")
+
+
+def _count(text: str) -> int:
+    """--max-sequences: a whole number of at least 2 (one each for training and the held-out share)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-sequences must be a whole number, got {text!r}") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"--max-sequences must be at least 2, got {n}")
+    return n
+
+
+def subset(seqs: list[TrainSequence], n: int | None, seed: int = 0) -> list[TrainSequence]:
+    """n of `seqs` drawn without replacement (seeded), in their data order; all of them when n is None or larger."""
+    if n is None or n >= len(seqs):
+        return seqs
+    keep = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed))[:n].sort().values
+    return [seqs[int(i)] for i in keep]
 
 
 def run(args) -> dict:
@@ -179,10 +202,11 @@ def run(args) -> dict:
     target, _ = load_model(args.model or read_meta(data)["model"], dtype=args.dtype, progress=False)
     src = resolve(args.drafter)
     model = load(src, target, inference=False)
-    seqs = load_all(data)
+    seqs = subset(load_all(data), args.max_sequences)
     tc = TrainConfig(steps=args.steps, max_minutes=args.max_minutes, lr=args.lr, warmup=20, eval_every=100,
                      save_every=0, seqs_per_step=4)
     sel, log = train_selector(model, seqs, tc, args.top_m, args.rank, args.batch, args.anchors_per_seq)
+    log["sequences"] = len(seqs)
     out = Path(args.out)
     if out.resolve() != Path(src).resolve():
         shutil.copytree(src, out, dirs_exist_ok=True)
