@@ -85,6 +85,44 @@ def test_soft_labels_are_the_targets_top_tokens_on_the_rows_the_loss_reads(setup
     assert float(lab.probs[:start].abs().sum()) == 0.0
 
 
+def test_soft_labels_cache_returns_what_was_computed_and_misses_on_any_change(setup, tmp_path, monkeypatch):
+    """The second run reads the labels from the data directory (nothing recomputed: the projection is made to fail)
+    and they equal a direct computation; another output matrix or changed states give another key; an unwritable
+    directory only warns."""
+    from dataclasses import astuple, replace
+
+    from verispec.train.label_cache import CACHE_DIR, cached_labels
+
+    out_w = setup["llm"].model.output_weight().detach().float()
+    seqs = load_all(setup["root"] / "data")[:5]
+
+    def compute(q):
+        return astuple(te.soft_labels(q, out_w, 30))
+
+    first, hit = cached_labels(seqs, out_w, te.TOPK, 30, tmp_path, compute)
+    assert not hit and len(list((tmp_path / CACHE_DIR).glob("*.safetensors"))) == 1
+
+    def boom(q):
+        raise AssertionError("recomputed")
+
+    again, hit = cached_labels(seqs, out_w, te.TOPK, 30, tmp_path, boom)
+    assert hit and len(again) == len(seqs)
+    for q, (ids, probs) in zip(seqs, again):
+        want = te.soft_labels(q, out_w, 30)
+        assert torch.equal(ids, want.ids) and torch.equal(probs, want.probs)
+    for changed in ([replace(seqs[0], last_hidden=seqs[0].last_hidden * 1.5)] + seqs[1:], seqs[:4]):
+        assert not cached_labels(changed, out_w, te.TOPK, 30, tmp_path, compute)[1]
+    assert not cached_labels(seqs, out_w * 1.01, te.TOPK, 30, tmp_path, compute)[1]
+    assert not cached_labels(seqs, out_w, te.TOPK, 20, tmp_path, lambda q: astuple(te.soft_labels(q, out_w, 20)))[1]
+    ro = tmp_path / "ro"
+    ro.write_text("a file where the cache directory would go")
+    with pytest.warns(UserWarning, match="not cached"):
+        labels, hit = cached_labels(seqs, out_w, te.TOPK, 30, ro, compute)
+    assert not hit and all(torch.equal(a[0], b[0]) for a, b in zip(labels, first))
+    assert list((setup["root"] / "data" / CACHE_DIR).glob("eagle3-soft-labels-*.safetensors")), \
+        "te.train keeps its labels beside the data"
+
+
 def test_build_vocab_keeps_the_most_frequent_response_tokens():
     from verispec.train.shards import TrainSequence
 

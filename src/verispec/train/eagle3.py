@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
 from verispec.drafters.eagle3 import load as load_head
@@ -28,6 +27,7 @@ from verispec.drafters.features import eagle3_layers
 from verispec.drafters.shipped import resolve as resolve_drafter
 from verispec.models.llama import LlamaModel
 from verispec.train.distributed import Dist
+from verispec.train.label_cache import cached_labels
 from verispec.train.loop import LoopConfig, train_loop
 from verispec.train.loop import add_args as loop_args
 from verispec.train.share import rank_data
@@ -177,10 +177,12 @@ class Eagle3Task:
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, train: list[TrainSequence], held: list[TrainSequence], out_w: torch.Tensor,
-                 steps: int, max_len: int, progress: bool = False) -> None:
+                 steps: int, max_len: int, progress: bool = False, cache_dir: str | Path | None = None) -> None:
+        """cache_dir: the data directory, where the soft labels are kept for the next run (train/label_cache.py)."""
         self.model, self.train, self.held, self.steps, self.max_len = head, train, held, steps, max_len
-        labels = [soft_labels(q, out_w, max_len) for q in tqdm(held + train, desc="soft labels", unit="seq",
-                                                               disable=not progress)]
+        rows, self.labels_cached = cached_labels(held + train, out_w, TOPK, max_len, cache_dir,
+                                                 lambda q: astuple(soft_labels(q, out_w, max_len)), progress)
+        labels = [SoftLabels(ids, probs) for ids, probs in rows]
         self.held_labels, self.train_labels = labels[: len(held)], labels[len(held) :]
 
     def sample(self, gen: torch.Generator) -> int:
@@ -253,7 +255,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
                      usable=lambda r: min(r.length, max_len) - r.prompt_len >= 2)
     head = make_head(target, data.train, dist, draft_vocab, steps, intermediate_size, init).to(dist.device)
     out_w = target.output_weight().detach().float().to(dist.device)
-    task = Eagle3Task(head, data.train, data.held, out_w, steps, max_len, progress and dist.is_writer)
+    task = Eagle3Task(head, data.train, data.held, out_w, steps, max_len, progress and dist.is_writer, data_dir)
     loop = LoopConfig(steps=max_updates, max_minutes=None if max_updates else max_minutes, lr=lr, warmup=20,
                       final_lr=0.05, weight_decay=0.0, grad_clip=0.5, accum=batch, eval_every=eval_every,
                       save_every=save_every, seed=seed, amp=amp)
@@ -268,7 +270,7 @@ def train(data_dir: str, target: LlamaModel, out_dir: str, *, draft_vocab: int =
             "train_tokens_per_s": log["train_tokens_per_s"], "heldout_before": log["heldout"][0],
             "heldout_after": log["heldout"][-1], "heldout_curve": log["heldout"],
             "curve": log["loss"][:: max(1, len(log["loss"]) // 200)], "resumed_at": log.get("resumed_at", []),
-            "init": init, "amp": log["amp"]}
+            "init": init, "amp": log["amp"], "soft_labels_from_cache": task.labels_cached}
     if dist.is_writer:
         head.save_pretrained(out_dir, {"target": meta.get("model")})
         (Path(out_dir) / "train_log.json").write_text(json.dumps(info, indent=1))
