@@ -9,6 +9,7 @@ is never read; a data directory that cannot be written to only costs the cache, 
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -62,7 +63,7 @@ def _write(path: Path, labels: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                "probs": torch.cat([p for _, p in labels]).float().contiguous() if labels else torch.zeros(0, 1)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs writing the same labels do not collide
         save_file(tensors, str(tmp))
         tmp.replace(path)
     except OSError as e:
