@@ -74,17 +74,18 @@ def main() -> None:
 
     base = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=2048, max_num_seqs=1, progress=False)
     engines = {"none": base}
-    pairs: list = []
+    pairs: dict[str, list] = {}  # engine name -> (predicted survival, survived) per verified DSpark position
     for item in args.drafters.split(","):
         name = item.split(":", 1)[0]
         spec = method_spec(item, args.k)
         spec["adaptive"] = args.scheduler != "static"
         e = base.with_speculation(spec)
         e.scheduler = args.scheduler
+        key = name if name not in engines else item  # two of one method (old and new weights): by path
         if name == "dspark":
-            new = e.drafters.new
-            e.drafters.new = lambda params, n, _new=new: Recorder(_new(params, n), pairs)  # type: ignore[method-assign]
-        engines[name if name not in engines else item] = e  # two of one method (old and new weights): by path
+            new, mine = e.drafters.new, pairs.setdefault(key, [])
+            e.drafters.new = lambda params, n, _new=new, _p=mine: Recorder(_new(params, n), _p)  # type: ignore[method-assign]
+        engines[key] = e
         if args.scheduler != "static":
             _ = e.costs
     records = []
@@ -129,16 +130,17 @@ def main() -> None:
             print(f"overall {n}: tau {statistics.mean(r['tau'] for r in rs):.2f}, "
                   f"speedup median x{statistics.median(r['ratio'] for r in rs):.2f}")
     summary = {}
-    if pairs:
+    for key, got in pairs.items():  # each DSpark drafter's own calibration
+        if not got:
+            continue
         import torch
 
-        probs = torch.tensor([p for p, _ in pairs])
-        outcomes = torch.tensor([o for _, o in pairs])
-        summary = {"dspark_online_ece": float(ece(probs, outcomes)), "dspark_positions": len(pairs),
-                   "mean_prediction": float(probs.mean()), "mean_survival": float(outcomes.mean())}
-        print(f"DSpark online calibration: ECE {summary['dspark_online_ece']:.3f} over {len(pairs)} verified "
-              f"positions (mean predicted survival {summary['mean_prediction']:.3f}, observed "
-              f"{summary['mean_survival']:.3f})")
+        probs, outcomes = torch.tensor([p for p, _ in got]), torch.tensor([o for _, o in got])
+        summary[key] = {"dspark_online_ece": float(ece(probs, outcomes)), "dspark_positions": len(got),
+                        "mean_prediction": float(probs.mean()), "mean_survival": float(outcomes.mean())}
+        print(f"{key} online calibration: ECE {summary[key]['dspark_online_ece']:.3f} over {len(got)} verified "
+              f"positions (mean predicted survival {summary[key]['mean_prediction']:.3f}, observed "
+              f"{summary[key]['mean_survival']:.3f})")
     for r in records:
         if r["divergence"]:
             print(f"  {r['method']} {r['prompt']}: {r['divergence']}")
