@@ -619,7 +619,8 @@ def test_selector_cli_writes_the_drafter_with_its_selector(trained, tiny, data_d
     assert load(tmp_path / "dflash", tiny[2]).selector is None  # the source stays as it was
 
 
-def test_selector_cli_max_sequences_trains_on_a_seeded_subset(trained, tiny, data_dir, tmp_path, capsys):
+def test_selector_cli_max_sequences_trains_on_a_seeded_subset(trained, tiny, data_dir, tmp_path, capsys,
+                                                                 monkeypatch):
     """--max-sequences N: N distinct sequences of the data, in data order, the same N on every run; bad values are
     refused with a message."""
     from verispec.cli import main
@@ -634,6 +635,15 @@ def test_selector_cli_max_sequences_trains_on_a_seeded_subset(trained, tiny, dat
     args = ["train", "selector", "--drafter", str(tmp_path / "dflash"), "--data", str(data_dir), "--out",
             str(tmp_path / "sel"), "--model", tiny[0], "--steps", "2", "--top-m", "4", "--rank", "4", "--batch", "16",
             "--anchors-per-seq", "4"]
+    from verispec.train import shards, share
+
+    refs = subset(share.catalog(data_dir), 6)  # the CLI reads only these from the shards, never the whole set
+    assert [torch.equal(q.ids, r.ids) for q, r in zip(a, share.load(data_dir, refs, []))] == [True] * 6
+
+    def whole_set(*_):
+        raise AssertionError("the whole data set was loaded")
+
+    monkeypatch.setattr(shards, "load_all", whole_set)
     assert main(args + ["--max-sequences", "6"]) == 0
     log = json.loads((tmp_path / "sel" / "selector_log.json").read_text())
     assert log["sequences"] == 6 and log["train_anchors"] + log["heldout_anchors"] <= 6 * 4

@@ -16,6 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +26,8 @@ from verispec.train.dflash import TrainConfig, gamma_for, make_batch, pick_ancho
 from verispec.train.distributed import Dist
 from verispec.train.loop import train_loop
 from verispec.train.shards import TrainSequence
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -184,8 +187,9 @@ def _count(text: str) -> int:
     return n
 
 
-def subset(seqs: list[TrainSequence], n: int | None, seed: int = 0) -> list[TrainSequence]:
-    """n of `seqs` drawn without replacement (seeded), in their data order; all of them when n is None or larger."""
+def subset(seqs: list[T], n: int | None, seed: int = 0) -> list[T]:
+    """n of `seqs` (sequences or their refs) drawn without replacement (seeded), in their data order; all of them
+    when n is None or larger."""
     if n is None or n >= len(seqs):
         return seqs
     keep = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed))[:n].sort().values
@@ -196,13 +200,18 @@ def run(args) -> dict:
     from verispec.drafters.dflash import load
     from verispec.drafters.shipped import resolve
     from verispec.models.loader import load_model
+    from verispec.train.share import catalog
+    from verispec.train.share import load as load_refs
     from verispec.train.shards import load_all, read_meta
 
     data = Path(args.data)
     target, _ = load_model(args.model or read_meta(data)["model"], dtype=args.dtype, progress=False)
     src = resolve(args.drafter)
     model = load(src, target, inference=False)
-    seqs = subset(load_all(data), args.max_sequences)
+    if args.max_sequences is None:
+        seqs = load_all(data)
+    else:  # only the chosen sequences are read (the whole 1M-token set in float32 is larger than memory)
+        seqs = load_refs(data, subset(catalog(data), args.max_sequences), model.cfg.feature_layers)
     tc = TrainConfig(steps=args.steps, max_minutes=args.max_minutes, lr=args.lr, warmup=20, eval_every=100,
                      save_every=0, seqs_per_step=4)
     sel, log = train_selector(model, seqs, tc, args.top_m, args.rank, args.batch, args.anchors_per_seq)
