@@ -129,12 +129,12 @@ def main() -> None:
             rs = [r for r in records if r["method"] == n]
             print(f"overall {n}: tau {statistics.mean(r['tau'] for r in rs):.2f}, "
                   f"speedup median x{statistics.median(r['ratio'] for r in rs):.2f}")
+    import torch
+
     summary = {}
     for key, got in pairs.items():  # each DSpark drafter's own calibration
         if not got:
             continue
-        import torch
-
         probs, outcomes = torch.tensor([p for p, _ in got]), torch.tensor([o for _, o in got])
         summary[key] = {"dspark_online_ece": float(ece(probs, outcomes)), "dspark_positions": len(got),
                         "mean_prediction": float(probs.mean()), "mean_survival": float(outcomes.mean())}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,6 +127,11 @@ def soft_labels(seq: TrainSequence, out_w: torch.Tensor, max_len: int) -> SoftLa
     return SoftLabels(ids, probs)
 
 
+def _pair(lab: SoftLabels) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probs) as the label cache stores them (dataclasses.astuple would deep-copy the tensors)."""
+    return lab.ids, lab.probs
+
+
 def sequence_loss(head: Eagle3Head, seq: TrainSequence, lab: SoftLabels, steps: int, max_len: int
                   ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Weighted soft cross-entropy of one sequence; also (correct top-1, counted) per step for accuracy.
@@ -181,7 +186,7 @@ class Eagle3Task:
         """cache_dir: the data directory, where the soft labels are kept for the next run (train/label_cache.py)."""
         self.model, self.train, self.held, self.steps, self.max_len = head, train, held, steps, max_len
         rows, self.labels_cached = cached_labels(held + train, out_w, TOPK, max_len, cache_dir,
-                                                 lambda q: astuple(soft_labels(q, out_w, max_len)), progress)
+                                                 lambda q: _pair(soft_labels(q, out_w, max_len)), progress)
         labels = [SoftLabels(ids, probs) for ids, probs in rows]
         self.held_labels, self.train_labels = labels[: len(held)], labels[len(held) :]
 

@@ -202,16 +202,14 @@ def run(args) -> dict:
     from verispec.models.loader import load_model
     from verispec.train.share import catalog
     from verispec.train.share import load as load_refs
-    from verispec.train.shards import load_all, read_meta
+    from verispec.train.shards import read_meta
 
     data = Path(args.data)
     target, _ = load_model(args.model or read_meta(data)["model"], dtype=args.dtype, progress=False)
     src = resolve(args.drafter)
     model = load(src, target, inference=False)
-    if args.max_sequences is None:
-        seqs = load_all(data)
-    else:  # only the chosen sequences are read (the whole 1M-token set in float32 is larger than memory)
-        seqs = load_refs(data, subset(catalog(data), args.max_sequences), model.cfg.feature_layers)
+    # only the chosen sequences and the drafter's layers are read (the whole 1M-token set in float32 would not fit)
+    seqs = load_refs(data, subset(catalog(data), args.max_sequences), model.cfg.feature_layers)
     tc = TrainConfig(steps=args.steps, max_minutes=args.max_minutes, lr=args.lr, warmup=20, eval_every=100,
                      save_every=0, seqs_per_step=4)
     sel, log = train_selector(model, seqs, tc, args.top_m, args.rank, args.batch, args.anchors_per_seq)
