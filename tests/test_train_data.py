@@ -85,9 +85,11 @@ def test_resuming_with_other_settings_is_refused(tiny, tmp_path):
     assert _gen(llm, tmp_path, prompts[:2])["capture"] == "generation"  # auto resumes with the directory's own
 
 
-def test_project_corpus_does_not_reuse_benchmark_prompts():
+@pytest.mark.parametrize("corpus", ["project", "formats"])
+def test_project_corpus_does_not_reuse_benchmark_prompts(corpus):
     from verispec.bench.workloads import WORKLOADS, load_workload
     from verispec.train.corpus import project_prompts
+    from verispec.train.corpus_formats import format_prompts
 
     def windows(text: str, n: int = 8) -> set[tuple[str, ...]]:
         w = text.lower().split()
@@ -97,10 +99,28 @@ def test_project_corpus_does_not_reuse_benchmark_prompts():
     for name in WORKLOADS:
         for p in load_workload(name):
             bench |= windows(" ".join(m["content"] for m in p.messages))
-    ours = project_prompts()
-    assert len(ours) >= 150 and {p["kind"] for p in ours} == set(WORKLOADS)
+    ours = project_prompts() if corpus == "project" else format_prompts()
+    assert len(ours) >= (150 if corpus == "project" else 800) and {p["kind"] for p in ours} == set(WORKLOADS)
+    assert len({p["prompt"] for p in ours}) == len(ours) and len({p["id"] for p in ours}) == len(ours)
     shared = [p["id"] for p in ours if windows(p["prompt"]) & bench]
     assert not shared, f"training prompts share an 8-word run with benchmark prompts: {shared[:5]}"
+
+
+def test_format_corpus_is_added_interleaved_and_deterministic(tmp_path):
+    from verispec.train.corpus import project_prompts
+    from verispec.train.corpus_formats import format_prompts
+    from verispec.train.data import collect_prompts
+
+    f = tmp_path / "extra.jsonl"
+    f.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    base = collect_prompts([str(f)], None, True)
+    both = collect_prompts([str(f)], None, True, formats=True)
+    fmt = format_prompts()
+    assert len(both) == len(base) + len(fmt)
+    assert [p["id"] for p in both[:3]] == [project_prompts()[0]["id"], fmt[0]["id"], "extra-0000"]
+    assert [p["messages"][0]["content"] for p in both if p["id"].startswith("verispec-fmt-")] == \
+        [p["prompt"] for p in fmt]
+    assert format_prompts() == fmt  # deterministic
 
 
 def test_prompt_files_split_at_newlines_only(tmp_path):

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from verispec.drafters.features import dflash_layers, eagle3_layers
 from verispec.train.corpus import project_prompts
+from verispec.train.corpus_formats import format_prompts
 from verispec.train.shards import read_meta, shard_name, write_meta, write_shard
 
 # settings that must match for a resumed run to extend the same data set
@@ -64,12 +65,12 @@ def read_prompt_file(path: str, limit: int | None) -> list[dict]:
     return out
 
 
-def collect_prompts(files: list[str], per_file: int | None, project: bool) -> list[dict]:
+def collect_prompts(files: list[str], per_file: int | None, project: bool, formats: bool = False) -> list[dict]:
     """All sources, interleaved round-robin, so that any prefix of the data (a stopped run) mixes every source."""
     sources = []
-    if project:
-        sources.append([{"id": p["id"], "messages": [{"role": "user", "content": p["prompt"]}]}
-                        for p in project_prompts()])
+    for use, made in ((project, project_prompts), (formats, format_prompts)):
+        if use:
+            sources.append([{"id": p["id"], "messages": [{"role": "user", "content": p["prompt"]}]} for p in made()])
     for f in files:
         sources.append(read_prompt_file(f, per_file))
     prompts = [s[i] for i in range(max((len(s) for s in sources), default=0)) for s in sources if i < len(s)]
@@ -314,6 +315,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", nargs="*", default=[], help="extra prompt files (JSONL: turns / prompt / messages)")
     p.add_argument("--per-file", type=int, default=None, help="use at most this many prompts of each file")
     p.add_argument("--no-project-prompts", action="store_true", help="leave out verispec's own training prompts")
+    p.add_argument("--format-prompts", action="store_true", help="add verispec's larger format corpus (about 850 "
+                   "prompts: JSON, templates, configs, Markdown, code in several languages, questions)")
     p.add_argument("--modes", default="greedy,sampled", help="comma list of greedy / sampled responses per prompt")
     p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled responses")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -355,10 +358,11 @@ def run(args: argparse.Namespace) -> dict:
     bad = [m for m in modes if m not in ("greedy", "sampled")]
     if bad or not modes:
         raise ValueError(f"--modes takes greedy and/or sampled, got {args.modes!r}")
-    prompts = collect_prompts(args.prompts, args.per_file, not args.no_project_prompts)
+    prompts = collect_prompts(args.prompts, args.per_file, not args.no_project_prompts, args.format_prompts)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    sources = (["verispec.train.corpus"] if not args.no_project_prompts else []) + [Path(f).name for f in args.prompts]
+    sources = ((["verispec.train.corpus"] if not args.no_project_prompts else []) +
+               (["verispec.train.corpus_formats"] if args.format_prompts else []) + [Path(f).name for f in args.prompts])
     if args.per_file is not None:
         sources.append(f"per_file={args.per_file}")
     if args.limit is not None:
