@@ -148,3 +148,35 @@ def test_batched_capture_equals_hf_hidden_states(llm, hf):
         for k in (0, 1):  # entering layer k (HF's last entry is after the final norm: our last_hidden)
             torch.testing.assert_close(hidden[k], ref[k][0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(last, ref[-1][0], atol=1e-4, rtol=1e-4)
+
+
+def test_different_data_sets_mix_into_one_training_directory(llm, tmp_path):
+    import json
+    import shutil
+
+    from verispec.train.mix import mix_sets
+    from verispec.train.share import catalog
+
+    gen(llm, tmp_path / "a")  # 10 sequences, greedy and sampled, layers 1 and 2
+    generate_data(llm, str(tmp_path / "b"), prompts(llm)[:2], sources=["other"], modes=("greedy",), max_tokens=6,
+                  shard_size=3, layers=[1], progress=False)
+    meta = mix_sets(tmp_path / "mix", [tmp_path / "a", tmp_path / "b"])
+    a, b, got = load_all(tmp_path / "a"), load_all(tmp_path / "b"), load_all(tmp_path / "mix")
+    assert len(a) == 10 and len(b) == 2 and len(got) == 12 and len(catalog(tmp_path / "mix")) == 12
+    for x, y in zip(got, a + b):  # a's shards, then b's, sequence for sequence
+        assert torch.equal(x.ids, y.ids) and x.prompt_len == y.prompt_len and torch.equal(x.hidden[1], y.hidden[1])
+    ma, mb = read_meta(tmp_path / "a"), read_meta(tmp_path / "b")
+    assert meta["layers"] == [1] and meta["sources"] == ["test", "other"] and meta["modes"] == ["greedy", "sampled"]
+    assert meta["response_tokens"] == ma["response_tokens"] + mb["response_tokens"]
+    assert meta["shards"] == [0, 1, 2, 3, 4]
+    assert read_meta(tmp_path / "mix") == meta
+    with pytest.raises(ValueError, match="not extended"):
+        gen(llm, tmp_path / "mix")
+    with pytest.raises(ValueError, match="not empty"):
+        mix_sets(tmp_path / "mix", [tmp_path / "a", tmp_path / "b"])
+    shutil.copytree(tmp_path / "a", tmp_path / "c")  # the same shards, said to come from a wider target
+    mc = {**ma, "hidden_size": ma["hidden_size"] * 2}
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(mc))
+    with pytest.raises(ValueError, match="differ in hidden_size"):
+        mix_sets(tmp_path / "mix2", [tmp_path / "a", tmp_path / "c"])
+    assert not (tmp_path / "mix2").exists()

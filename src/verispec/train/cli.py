@@ -1,4 +1,5 @@
-"""`verispec train data | merge-data | eagle3 | dflash | dspark | selector | curve | export-eagle3 | export-dflash`."""
+"""`verispec train data | merge-data | mix-data | eagle3 | dflash | dspark | selector | curve | export-eagle3 |
+export-dflash`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def add_train_parser(sub) -> None:
     m = tsub.add_parser("merge-data", help="join the data directories of a run split with --part I/N")
     m.add_argument("out", help="directory for the joined data")
     m.add_argument("parts", nargs="+", help="the parts' directories")
+    x = tsub.add_parser("mix-data", help="join different data sets of the same target into one training directory "
+                                         "(shards linked, not copied)")
+    x.add_argument("out", help="new directory for the mixed data")
+    x.add_argument("sets", nargs="+", help="the data directories, in the order their shards are numbered")
     from verispec.train import eagle3
 
     e = tsub.add_parser("eagle3", help="train an EAGLE-3 head (TTT unroll, reduced draft vocabulary)")
@@ -72,6 +77,14 @@ def _data(args: argparse.Namespace) -> None:
     meta = data.run(args)
     print(json.dumps({k: meta[k] for k in ("num_sequences", "tokens", "response_tokens", "generate_s", "capture_s",
                                            "prompts_too_long")}, indent=1))
+
+
+def _mix_data(args: argparse.Namespace) -> None:
+    from verispec.train.mix import mix_sets
+
+    meta = mix_sets(args.out, args.sets)
+    print(f"{args.out}: {len(meta['shards'])} shards, {meta['num_sequences']} sequences, "
+          f"{meta['response_tokens']} response tokens, layers {meta['layers']}")
 
 
 def _merge_data(args: argparse.Namespace) -> None:
@@ -142,7 +155,8 @@ def _block_drafter(args: argparse.Namespace) -> None:
         print(json.dumps({k: v for k, v in info.items() if k != "curve"}, indent=1, default=str)[:4000])
 
 
-COMMANDS = {"data": _data, "merge-data": _merge_data, "curve": _curve, "export-dflash": _export_dflash,
+COMMANDS = {"data": _data, "merge-data": _merge_data, "mix-data": _mix_data, "curve": _curve,
+            "export-dflash": _export_dflash,
             "export-eagle3": _export_eagle3, "selector": _selector, "eagle3": _eagle3, "dflash": _block_drafter,
             "dspark": _block_drafter}
 

@@ -85,6 +85,9 @@ def _resume(out: Path, meta: dict) -> dict:
     if not (out / "meta.json").exists():
         return meta
     old = read_meta(out)
+    if "mixed_from" in old:
+        raise ValueError(f"{out} was mixed from several data sets (`train mix-data`) and is not extended; write new "
+                         "data into its own directory and mix it in")
     diff = [k for k in _FIXED if old.get(k, _DEFAULTS.get(k)) != meta[k]]
     if diff:
         raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
@@ -358,11 +361,11 @@ def run(args: argparse.Namespace) -> dict:
     bad = [m for m in modes if m not in ("greedy", "sampled")]
     if bad or not modes:
         raise ValueError(f"--modes takes greedy and/or sampled, got {args.modes!r}")
-    prompts = collect_prompts(args.prompts, args.per_file, not args.no_project_prompts, args.format_prompts)
+    prompts = collect_prompts(args.prompts, args.per_file, not args.no_project_prompts, formats=args.format_prompts)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    sources = ((["verispec.train.corpus"] if not args.no_project_prompts else []) +
-               (["verispec.train.corpus_formats"] if args.format_prompts else []) + [Path(f).name for f in args.prompts])
+    sources = (["verispec.train.corpus"] if not args.no_project_prompts else []) + \
+        (["verispec.train.corpus_formats"] if args.format_prompts else []) + [Path(f).name for f in args.prompts]
     if args.per_file is not None:
         sources.append(f"per_file={args.per_file}")
     if args.limit is not None:
