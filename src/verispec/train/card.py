@@ -50,7 +50,8 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
         f"- Data: {meta['num_sequences']} target responses ({meta['response_tokens']} response tokens, "
         f"{meta['tokens']} tokens in all), modes {', '.join(meta['modes'])}, max {meta['max_tokens']} tokens each, "
         f"from: {', '.join(meta['sources'])}. The project prompts share no 8-word run with the benchmark workloads "
-        "(tested); public prompt files are DeepSpec's eval prompt sets (MIT), used as inputs only.",
+        "(tested)" + ("; public prompt files are DeepSpec's eval prompt sets (MIT), used as inputs only."
+                      if any(str(s).endswith(".jsonl") for s in meta["sources"]) else "."),
         f"- Data generation: {meta['generate_s'] / 60:.0f} min generating + {meta['capture_s'] / 60:.0f} min capturing "
         f"hidden states ({meta.get('capture', 'prefill')} capture, target path "
         f"{meta.get('quantization') or meta.get('dtype')}), on the same machine {load}.",
