@@ -125,9 +125,15 @@ def project_prompts() -> list[dict]:
     rng = random.Random(0)
     kinds = {"json_records": _json_prompts(rng), "templates": _template_prompts(rng),
              "markdown": _markdown_prompts(rng), "code": _code_prompts(rng), "chat": list(QUESTIONS)}
+    return interleave(kinds, "verispec")
+
+
+def interleave(kinds: dict[str, list[str]], prefix: str) -> list[dict]:
+    """[{"id": f"{prefix}-{kind}-{i:03d}", "kind", "prompt"}], the kinds taken round-robin, so that any prefix of
+    the list (a stopped data run) mixes every kind."""
     out = []
     for i in range(max(len(v) for v in kinds.values())):
         for kind, prompts in kinds.items():
             if i < len(prompts):
-                out.append({"id": f"verispec-{kind}-{i:03d}", "kind": kind, "prompt": prompts[i]})
+                out.append({"id": f"{prefix}-{kind}-{i:03d}", "kind": kind, "prompt": prompts[i]})
     return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import random
 
+from verispec.train.corpus import interleave
+
 PER_KIND = 200
 NAMES = ["Ava", "Noah", "Mei", "Omar", "Lena", "Ravi", "Sofia", "Kwame", "Ines", "Tariq", "Hana", "Pablo", "Zoe",
          "Ivan", "Amara", "Felix", "Yuki", "Dara", "Elif", "Marco"]
@@ -254,9 +256,4 @@ def format_prompts(per_kind: int = PER_KIND) -> list[dict]:
         prompts = list(dict.fromkeys(make(rng)))  # distinct, in order
         rng.shuffle(prompts)
         picked[kind] = prompts[:per_kind]
-    out = []
-    for i in range(max(len(v) for v in picked.values())):
-        for kind, prompts in picked.items():
-            if i < len(prompts):
-                out.append({"id": f"verispec-fmt-{kind}-{i:03d}", "kind": kind, "prompt": prompts[i]})
-    return out
+    return interleave(picked, "verispec-fmt")
