@@ -2,8 +2,8 @@
 JSON, configs; fill-in templates, YAML, SQL INSERTs, INI / .env blocks, form letters; Markdown READMEs, changelogs,
 checklists, FAQs, tables; code in several languages; everyday questions), composed from lists written for verispec.
 
-`corpus.project_prompts()` is the small set the shipped drafters were first trained on; this module widens it to
-about a thousand prompts, about 200 per kind, so that self-distillation data sees each format many times with
+`corpus.project_prompts()` is the small set the shipped drafters were first trained on; this module adds 853
+prompts, 164-176 per kind (PER_KIND caps a kind), so that self-distillation data sees each format many times with
 different subjects. No prompt shares an 8-word run with a benchmark prompt (tests/test_train_data.py).
 Deterministic: a fixed seed picks the combinations.
 """
