@@ -4,7 +4,9 @@ calibration measured online (expected calibration error of its survival predicti
 Conditions (MEASURE.md): concurrency 1; metrics = tau (mean tokens committed per verification step, bonus included)
 and output tok/s of one stream (whole request, prefill included); baseline = speculation off on the same target,
 dtype, prompts and run, interleaved (order rotated per prompt); drafters verify a fixed K (static scheduler) so tau
-is the drafter's own, unless --scheduler says otherwise.
+is the drafter's own, unless --scheduler says otherwise. Where a step's time goes: the engine's own split of each
+request (stats draft_s and forward_s over its steps, the prefill step included), as ms per step; a learned drafter
+pays only when tau exceeds (draft + target forward per step) / plain's forward per step.
 
     python benchmarks/learned_drafters.py --drafters eagle3:DIR,dflash:DIR,dspark:DIR --dtype bfloat16 --limit 3
 """
@@ -104,6 +106,8 @@ def main() -> None:
                 records.append({"workload": wl, "prompt": wp.id, "method": n, "tok_per_s": out.stats["tok_per_s"],
                                 "ratio": out.stats["tok_per_s"] / plain.stats["tok_per_s"],
                                 "tau": out.stats["mean_acceptance_length"] if n != "none" else 1.0,
+                                "draft_ms_per_step": 1e3 * out.stats.get("draft_s", 0.0) / max(1, out.stats["steps"]),
+                                "forward_ms_per_step": 1e3 * out.stats["forward_s"] / max(1, out.stats["steps"]),
                                 "identical": div is None, "near_tie": bool(div and div.near_tie),
                                 "divergence": None if div is None else str(div)})
             print(" ".join(f"{r['method']}:tau={r['tau']:.2f},x{r['ratio']:.2f},{'=' if r['identical'] else '!'}"
@@ -115,15 +119,16 @@ def main() -> None:
         by[(r["workload"], r["method"])].append(r)
     print(f"dtype {args.dtype}, K = {args.k}, scheduler {args.scheduler}, {args.limit} prompts per workload, "
           f"max {args.max_tokens} tokens, greedy; {load.describe()}")
-    print("| workload | method | tau (mean) | tok/s (median) | speedup vs plain, median (min..max) | identical |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | method | tau (mean) | tok/s (median) | speedup vs plain, median (min..max) | draft / target "
+          "forward ms per step (median) | identical |")
+    print("|---|---|---|---|---|---|---|")
     for (wl, n), rs in by.items():
-        if n == "none":
-            continue
         ratios = [r["ratio"] for r in rs]
+        split = (f"{statistics.median(r['draft_ms_per_step'] for r in rs):.1f} / "
+                 f"{statistics.median(r['forward_ms_per_step'] for r in rs):.1f}")
         print(f"| {wl} | {n} | {statistics.mean(r['tau'] for r in rs):.2f} | "
               f"{statistics.median(r['tok_per_s'] for r in rs):.1f} | x{statistics.median(ratios):.2f} "
-              f"({min(ratios):.2f}..{max(ratios):.2f}) | {sum(r['identical'] for r in rs)}/{len(rs)} |")
+              f"({min(ratios):.2f}..{max(ratios):.2f}) | {split} | {sum(r['identical'] for r in rs)}/{len(rs)} |")
     for n in engines:
         if n != "none":
             rs = [r for r in records if r["method"] == n]
