@@ -77,13 +77,14 @@ def main() -> None:
     base = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=2048, max_num_seqs=1, progress=False)
     engines = {"none": base}
     pairs: dict[str, list] = {}  # engine name -> (predicted survival, survived) per verified DSpark position
-    for item in args.drafters.split(","):
+    items = args.drafters.split(",")
+    for item in items:
         name = item.split(":", 1)[0]
         spec = method_spec(item, args.k)
         spec["adaptive"] = args.scheduler != "static"
         e = base.with_speculation(spec)
         e.scheduler = args.scheduler
-        key = name if name not in engines else item  # two of one method (old and new weights): by path
+        key = name if [i.split(":", 1)[0] for i in items].count(name) == 1 else item  # two of one method: by path
         if name == "dspark":
             new, mine = e.drafters.new, pairs.setdefault(key, [])
             e.drafters.new = lambda params, n, _new=new, _p=mine: Recorder(_new(params, n), _p)  # type: ignore[method-assign]
