@@ -78,13 +78,13 @@ def main() -> None:
     engines = {"none": base}
     pairs: dict[str, list] = {}  # engine name -> (predicted survival, survived) per verified DSpark position
     items = args.drafters.split(",")
-    for item in items:
-        name = item.split(":", 1)[0]
+    names = [i.split(":", 1)[0] for i in items]
+    for item, name in zip(items, names):
         spec = method_spec(item, args.k)
         spec["adaptive"] = args.scheduler != "static"
         e = base.with_speculation(spec)
         e.scheduler = args.scheduler
-        key = name if [i.split(":", 1)[0] for i in items].count(name) == 1 else item  # two of one method: by path
+        key = name if names.count(name) == 1 else item  # two of one method (old and new weights): by path
         if name == "dspark":
             new, mine = e.drafters.new, pairs.setdefault(key, [])
             e.drafters.new = lambda params, n, _new=new, _p=mine: Recorder(_new(params, n), _p)  # type: ignore[method-assign]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import time
 from contextlib import closing
 from pathlib import Path
@@ -22,7 +20,7 @@ from tqdm import tqdm
 from verispec.drafters.features import dflash_layers, eagle3_layers
 from verispec.train.corpus import project_prompts
 from verispec.train.corpus_formats import format_prompts
-from verispec.train.shards import read_meta, shard_name, write_meta, write_shard
+from verispec.train.shards import link_shard, read_meta, shard_name, write_meta, write_shard
 
 # settings that must match for a resumed run to extend the same data set
 _FIXED = ("model", "layers", "sources", "modes", "max_tokens", "temperature", "shard_size", "seed", "jobs_total",
@@ -299,10 +297,7 @@ def merge_parts(out_dir: str, parts: list[str]) -> dict:
     for s, p in owner.items():
         dst = out / shard_name(s)
         if not dst.exists():
-            try:
-                os.link(Path(p) / shard_name(s), dst)
-            except OSError:
-                shutil.copyfile(Path(p) / shard_name(s), dst)
+            link_shard(Path(p) / shard_name(s), dst)
     captures = {m.get("capture", _DEFAULTS["capture"]) for m in metas}
     meta = {**metas[0], "shards": sorted(owner), "part": [0, 1], "merged_from": [str(p) for p in parts],
             "capture": captures.pop() if len(captures) == 1 else MIXED}

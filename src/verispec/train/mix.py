@@ -6,11 +6,9 @@ agree; the layers kept are those every set holds. A mixed directory is not exten
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from verispec.train.shards import read_meta, shard_name, write_meta
+from verispec.train.shards import link_shard, read_meta, shard_name, write_meta
 
 MUST_AGREE = ("model", "num_layers", "hidden_size", "dtype", "quantization")
 SUMMED = ("num_sequences", "tokens", "response_tokens", "generate_s", "capture_s", "jobs_total")
@@ -40,11 +38,7 @@ def mix_sets(out_dir: str | Path, sets: list[str | Path]) -> dict:
     n = 0
     for s, m in zip(sets, metas):
         for i in m["shards"]:
-            src, dst = Path(s) / shard_name(i), out / shard_name(n)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copyfile(src, dst)
+            link_shard(Path(s) / shard_name(i), out / shard_name(n))
             n += 1
     captures = {m.get("capture", "prefill") for m in metas}
     meta = {**metas[0], "layers": layers, "sources": _union(m["sources"] for m in metas),

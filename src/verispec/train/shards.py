@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -77,6 +78,15 @@ def write_meta(data_dir: str | Path, meta: dict) -> None:
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, p)
+
+
+def link_shard(src: Path, dst: Path) -> None:
+    """Put the shard file `src` at `dst` without copying its bytes where the file system allows (a hard link),
+    else copied: joining data directories never duplicates gigabytes of states on one disk."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def iter_sequences(data_dir: str | Path, shards: Sequence[int] | None = None) -> Iterator[TrainSequence]:
