@@ -306,6 +306,38 @@ def test_markov_head_decodes_left_to_right(tiny):
         assert not torch.allclose(za[0, 2], zb[0, 2]) and not torch.allclose(ca[0, 2], cb[0, 2])
 
 
+def test_markov_greedy_is_the_sequential_argmax_on_either_weight(tiny):
+    """MarkovHead.greedy (one block, argmax, U_k as the kernel call's residual where W2 is a Q8ActWeight): its
+    tokens are the sequential argmax of U_k + W2 W1[x_{k-1}] computed here in float64 for a float W2, and the
+    tokens `decode` picks with argmax for a W2 rounded to Q8_0 blocks; its confidences are conf_logits' at the
+    tokens chosen."""
+    from verispec.drafters.dspark_head import MarkovHead
+    from verispec.execution.q8act import Q8ActWeight
+
+    _, _, target = tiny
+    head = new_model(target, dspark=True, seed=8).markov
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        head.w2.weight.copy_(torch.randn(64, 16, generator=g))
+        W1, W2 = head.w1.weight.double(), head.w2.weight.double()
+        for trial in range(20):
+            U, h = torch.randn(5, 64, generator=g) * (0.3 if trial % 2 else 3.0), torch.randn(5, 32, generator=g)
+            toks, conf = head.greedy(U, h, 7)
+            prev, want = 7, []
+            for k in range(5):
+                prev = int((U[k].double() + W2 @ W1[prev]).argmax())
+                want.append(prev)
+            assert toks == want, trial
+            assert torch.allclose(conf, head.conf_logits(h, torch.tensor([7] + want[:-1])), atol=1e-6)
+        wide = MarkovHead(64, 32, 32)  # a rank Q8_0 blocks fit
+        torch.nn.init.normal_(wide.w2.weight, generator=g)
+        wide.w2 = Q8ActWeight.from_float(wide.w2.weight)
+        for _ in range(10):
+            U, h = torch.randn(5, 64, generator=g), torch.randn(5, 32, generator=g)
+            toks, _, _ = wide.decode(U[None], h[None], torch.tensor([7]), lambda z, _k: z.argmax(-1))
+            assert wide.greedy(U, h, 7)[0] == toks[0].tolist()
+
+
 def test_dspark_greedy_draft_is_sequential_argmax(trained):
     m, _ = trained["dspark"]
     d = DFlashDrafter(m, GREEDY)
@@ -705,6 +737,54 @@ def test_a_q8_0_drafter_drafts_like_the_float_one_and_stays_lossless(trained, ti
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 20)
     assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0, "the rounded drafter still gets drafts accepted"
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method):
+    """Beside a gguf-q8act target the rounded drafter runs its layers through a few kernel calls
+    (drafters/dflash_kernel.py: q | k | v and gate | up stacked, norms, residuals and SwiGLU fused, vs_attention, the
+    context K/V of every layer in two linears). Against the same rounded drafter's torch ops (separate weights, torch
+    norms, RoPE and attention): the context K/V and the block's hidden states agree to the rounding of the int8
+    activations, the kernel keeps the context rows of the buffers untouched, and a drafter's block (context arriving
+    in two chunks, K/V buffers grown on the way) equals the torch block of the same rounded drafter."""
+    import copy
+
+    from verispec.execution.q8act import Q8ActWeight
+
+    _, _, target = tiny
+    m = copy.deepcopy(trained[method][0])
+    m.quantize_q8act(Q8ActWeight.from_float(target.output_weight()))
+    kern, c = m.kernel, m.cfg
+    assert kern is not None
+    g = torch.Generator().manual_seed(7)
+    n, B = 40, c.block_size
+    feats = torch.randn(n, len(c.feature_layers) * c.hidden_size, generator=g)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    with torch.no_grad():
+        got = kern.context_kv(feats, torch.arange(n))
+        m.kernel = None  # the torch ops over the same rounded weights
+        want = m.context_kv(feats, torch.arange(n))
+        x = m.block_inputs(torch.tensor([5]))[0]
+        ref = m.block_hidden(x, torch.arange(n, n + B), want, None)
+        m.kernel = kern
+    for (k, v), (rk, rv) in zip(got, want):
+        assert rel(k, rk) < 1e-3 and rel(v, rv) < 1e-3
+    kb = [torch.cat([k, torch.zeros(B, *k.shape[1:])]) for k, _ in got]
+    vb = [torch.cat([v, torch.zeros(B, *v.shape[1:])]) for _, v in got]
+    before = [t[:n].clone() for t in kb + vb]
+    h = kern.block_hidden(x, torch.arange(n, n + B), kb, vb, n)
+    assert rel(h, ref) < 2e-3
+    assert all(torch.equal(t[:n], b) for t, b in zip(kb + vb, before)), "the context rows were written"
+    d = DFlashDrafter(m, GREEDY)
+    d.add_features(feats[:3])
+    d.add_features(feats[3:])
+    dh, dU = d.block(5, n)
+    assert d._k[0].shape[0] >= n + B and rel(dh, ref) < 2e-3
+    assert (dU.argmax(-1) == m.logits(ref[1:]).argmax(-1)).float().mean() >= 0.8
+    d.check_state(feats)  # the cached context K/V are what the kernel recomputes from the features, exactly
 
 
 def test_init_continues_from_a_trained_drafter_and_refuses_another_shape(tiny, data_dir, tmp_path):

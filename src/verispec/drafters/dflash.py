@@ -2,8 +2,9 @@
 
 State: per draft layer, the context K/V of the committed positions (rotated keys, values), [cap, K, hd] buffers
 plus one length counter `n`. add_features() projects each newly committed position's target features once and
-appends its K/V; a draft block is computed on the fly from the cached context and never stored, so rejected
-drafts cannot leak into later steps and observe() is bookkeeping only.
+appends its K/V; a draft block is computed on the fly from the cached context and never counted as context (on
+the kernel, drafters/dflash_kernel.py, its K/V are scratch rows past `n`), so rejected drafts cannot leak into later
+steps and observe() is bookkeeping only.
 
 propose(context, k): one block forward with anchor = context[-1] at position len(context) - 1 over the n =
 len(context) - 1 cached context positions; returns min(k, B - 1) tokens.
@@ -151,8 +152,14 @@ class DFlashDrafter:
         B = self.cfg.block_size
         self._catch_up()
         x = self.model.block_inputs(torch.tensor([anchor], device=self.device))[0]  # [B, d]
+        positions = torch.arange(pos, pos + B, device=self.device)
+        kernel = self.model.kernel
+        if kernel is not None:  # the block's K/V go after the context rows, as scratch
+            self._reserve(self.n + B, x.new_empty((1, self.cfg.num_kv_heads, self.cfg.head_dim)))
+            h = kernel.block_hidden(x, positions, self._k, self._v, self.n)
+            return h, self.model.logits(h[1:])
         ctx = [(k[: self.n], v[: self.n]) for k, v in zip(self._k, self._v)] if self.n else self._empty_ctx(x)
-        h = self.model.block_hidden(x, torch.arange(pos, pos + B, device=self.device), ctx, None)  # [B, d]
+        h = self.model.block_hidden(x, positions, ctx, None)  # [B, d]
         return h, self.model.logits(h[1:])
 
     def _empty_ctx(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -178,11 +185,12 @@ class DFlashDrafter:
                 return Draft(argmax_rows(U[:g]))
             q = target_probs(U[:g], p.temperature, p.top_k, p.top_p)  # [g, V]
             return Draft(sample_rows(q, self.generator), q)
+        if p.greedy:  # DSpark greedy: left to right, argmax(U_k + B_k)
+            toks, conf = self.model.markov.greedy(U[:g], h[1 : g + 1], int(context[-1]))
+            return Draft(toks, None, calibrated_confidence(conf, self.cfg.confidence_temperatures).tolist())
         qs: list[torch.Tensor] = []
 
         def choose(z: torch.Tensor, _k: int) -> torch.Tensor:  # z: [1, V] -> [1]
-            if p.greedy:
-                return z.argmax(-1)
             qs.append(target_probs(z, p.temperature, p.top_k, p.top_p)[0])
             return torch.tensor([sample_index(qs[-1], self.generator)], device=z.device)
 

@@ -169,6 +169,7 @@ class DFlashModel(nn.Module):
         self.mask_embedding = nn.Parameter(parts.embed.float().mean(0).to(parts.embed.dtype).clone())  # [d]
         self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank) if cfg.dspark else None
         self.selector = None  # DFlash 2's path selector (drafters/path_selector.py), stored in files of its own
+        self.kernel = None  # inference beside a gguf-q8act target (`quantize_q8act`, drafters/dflash_kernel.py)
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith("markov."):
                 nn.init.normal_(p, std=0.02)
@@ -187,16 +188,20 @@ class DFlashModel(nn.Module):
         Markov W2 where its rank is a multiple of 32) rounded to Q8_0 blocks by gguf's quantizer, int8 activations
         per 32, and the logits through `head`, the target's own Q8_0 output head on the same kernel (the GGUF's
         blocks of the matrix the float path reads). A block forward then reads about a quarter of the float32
-        bytes; drafts change a little, verification keeps the output exact. Not for training or export."""
+        bytes; drafts change a little, verification keeps the output exact. Not for training or export. Block
+        forwards and context K/V then run in a few kernel calls per layer (drafters/dflash_kernel.py)."""
+        from verispec.drafters.dflash_kernel import DFlashKernel
         from verispec.execution.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.weight.device.type == "cpu", "the q8act kernel is CPU fp32"
+        kernel = DFlashKernel(self)  # from the float weights: q | k | v, gate | up and the context k | v stacked
         round_linears(self, ("fc",))
         for layer in self.layers:
             round_linears(layer, LAYER_LINEARS)
         if self.markov is not None and self.cfg.markov_rank % 32 == 0:  # Q8_0 blocks are 32 wide
             round_linears(self.markov, ("w2",))
         self.parts = replace(self.parts, out_head=head)
+        self.kernel = kernel
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -211,6 +216,8 @@ class DFlashModel(nn.Module):
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """feats: [n, len(layers) d] target features, positions: [n] -> per layer (k, v): [n, K, hd]."""
+        if self.kernel is not None:
+            return self.kernel.context_kv(feats, positions)
         h_ctx = self.hidden_norm(self.fc(feats.to(self.dtype)))  # [n, d]
         cos, sin = self.rope(positions)
         return [layer.kv(h_ctx, cos, sin) for layer in self.layers]

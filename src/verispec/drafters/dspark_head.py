@@ -65,6 +65,24 @@ class MarkovHead(nn.Module):
         return torch.stack(toks, 1), torch.stack(zs, 1), torch.stack(confs, 1)
 
 
+    def greedy(self, U: torch.Tensor, h: torch.Tensor, anchor: int) -> tuple[list[int], torch.Tensor]:
+        """`decode` of one block with argmax, in fewer ops: x_k = argmax(U_k + B_k), where W2 runs on verispec's
+        kernel (a Q8ActWeight) with U_k as the residual of its own call (the same float sum), and the confidences
+        of all positions in one call after the walk. U: [g, V] float32 backbone logits, h: [g, d] hidden states,
+        anchor: x_0. Returns the tokens (g) and the raw confidence logits [g]."""
+        fused = getattr(self.w2, "fuses_norm", False)  # a kernel weight: the residual goes into its call
+        prev, toks = anchor, []
+        for k in range(U.shape[0]):
+            e = self.w1.weight[prev : prev + 1]  # [1, r]
+            if fused:
+                z = self.w2.matmul(e.float(), residual=U[k : k + 1].float().contiguous())  # [1, V]
+            else:
+                z = U[k].float() + self.w2(e).float()
+            prev = int(z.argmax())
+            toks.append(prev)
+        return toks, self.conf_logits(h, torch.tensor([anchor] + toks[:-1], device=h.device)).float()
+
+
 def calibrated_confidence(conf_logits: torch.Tensor, temperatures: tuple[float, ...]) -> torch.Tensor:
     """conf_logits: [..., g] raw logits of positions 1..g -> per-position c_k = sigmoid(logit_k / T_k), [..., g]."""
     g = conf_logits.shape[-1]
