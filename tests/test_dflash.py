@@ -787,6 +787,69 @@ def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method):
     d.check_state(feats)  # the cached context K/V are what the kernel recomputes from the features, exactly
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_draft_vocabulary_limits_the_drafts_and_stays_lossless(trained, tiny, data_dir, tmp_path, method,
+                                                                  capsys):
+    """`verispec train draft-vocab` stores the N most frequent response tokens of the data (counted here from the
+    loaded sequences); `load` for inference restricts the drafter's logits to them (the target's own logits at those
+    tokens, -inf elsewhere; training and export loads keep the whole vocabulary); greedy drafts are the argmax
+    over the draft tokens of the logits (DSpark: corrected by B_k, left to right); the engine's greedy output still
+    equals HF's with the state oracle on; bad checkpoints and sizes are refused."""
+    import torch.nn.functional as F
+
+    from verispec import LLM, SamplingParams
+    from verispec.cli import main
+    from verispec.drafters import draft_vocab
+
+    path, hf, target = tiny
+    dense = trained[method][0]
+    ck = tmp_path / "ck"
+    dense.save_pretrained(ck)
+    assert main(["train", "draft-vocab", str(ck), "--data", str(data_dir), "--size", "20"]) == 0
+    assert "20 of 64 tokens" in capsys.readouterr().out
+    counts = torch.zeros(64, dtype=torch.long)
+    for seq in load_all(data_dir):
+        counts += torch.bincount(seq.ids[seq.prompt_len :], minlength=64)
+    want = sorted(sorted(range(64), key=lambda t: (-int(counts[t]), t))[:20])
+    ids = draft_vocab.read(ck)
+    assert ids.tolist() == want
+    assert load(ck, target, inference=False).vocab is None
+    m = load(ck, target)
+    assert m.vocab is not None
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        h = torch.randn(5, 32, generator=g)
+        U, ref = m.logits(h), F.linear(h, target.output_weight())
+        outside = torch.ones(64, dtype=torch.bool)
+        outside[ids] = False
+        assert torch.allclose(U[:, ids], ref[:, ids], atol=1e-5) and bool(torch.isinf(U[:, outside]).all())
+        d = DFlashDrafter(m, GREEDY)
+        d.add_features(torch.randn(9, len(m.cfg.feature_layers) * 32, generator=g))
+        ctx = list(range(3, 13))
+        draft = d.propose(ctx, 7).tokens
+        hb, Ub = d.block(ctx[-1], 9)
+        prev, expect = ctx[-1], []
+        for k in range(7):
+            z = Ub[k, ids] + (m.markov.bias(torch.tensor(prev))[ids] if m.markov is not None else 0)
+            prev = int(ids[int(z.argmax())])
+            expect.append(prev)
+        assert draft == expect and set(draft) <= set(want)
+    spec = {"method": method, "model": str(ck), "num_speculative_tokens": 5}
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2, check_state=True,
+              max_num_batched_tokens=8, scheduler="static", progress=False, speculative_config=spec)
+    assert llm.drafters.learned.vocab is not None
+    prompts = [[1, 2, 3, 4, 5], [30, 12, 44, 8, 19, 2, 50, 3, 3, 9, 10, 11]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 20)
+    for bad in (["--size", "0"], ["--size", "65"]):
+        with pytest.raises(SystemExit, match="--size"):
+            main(["train", "draft-vocab", str(ck), "--data", str(data_dir), *bad])
+    with pytest.raises(SystemExit, match="not a DFlash"):
+        main(["train", "draft-vocab", str(tmp_path), "--data", str(data_dir)])
+
+
 def test_init_continues_from_a_trained_drafter_and_refuses_another_shape(tiny, data_dir, tmp_path):
     """--init: the run starts where the given drafter ended (its held-out metrics before the first update are the
     trained drafter's after its last), keeps its shape, and refuses another method or block size."""

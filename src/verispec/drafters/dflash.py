@@ -34,7 +34,9 @@ from typing import Sequence
 
 import torch
 
+from verispec.drafters import draft_vocab
 from verispec.drafters.base import EMPTY, Draft
+from verispec.drafters.draft_vocab import DraftVocab
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
 from verispec.drafters.features import own
 from verispec.drafters.dspark_head import calibrated_confidence
@@ -47,9 +49,14 @@ TREE_TOPK = 4  # children considered per expanded node
 
 def load(path: str | Path, target, inference: bool = True) -> DFlashModel:
     """A trained DFlash / DSpark checkpoint for `target`, in the target's dtype and device; for inference beside a
-    gguf-q8act target, on the same kernel (`DFlashModel.quantize_q8act`); `inference=False`: float, to train or
+    gguf-q8act target, on the same kernel (`DFlashModel.quantize_q8act`), and with the draft vocabulary stored
+    beside it where there is one (drafters/draft_vocab.py); `inference=False`: float, full vocabulary, to train or
     export."""
     model = DFlashModel.from_pretrained(path, target)
+    ids = draft_vocab.read(path) if inference else None
+    if ids is not None:  # built from the float weights, before any rounding
+        w2 = model.markov.w2.weight if model.markov is not None else None
+        model.vocab = DraftVocab(ids, model.parts.out_weight, w2, kernel=target.decoder_kernel is not None)
     if inference and target.decoder_kernel is not None:
         model.quantize_q8act(target.head_weight)
     return model
@@ -186,7 +193,7 @@ class DFlashDrafter:
             q = target_probs(U[:g], p.temperature, p.top_k, p.top_p)  # [g, V]
             return Draft(sample_rows(q, self.generator), q)
         if p.greedy:  # DSpark greedy: left to right, argmax(U_k + B_k)
-            toks, conf = self.model.markov.greedy(U[:g], h[1 : g + 1], int(context[-1]))
+            toks, conf = self.model.markov.greedy(U[:g], h[1 : g + 1], int(context[-1]), self.model.vocab)
             return Draft(toks, None, calibrated_confidence(conf, self.cfg.confidence_temperatures).tolist())
         qs: list[torch.Tensor] = []
 

@@ -170,6 +170,7 @@ class DFlashModel(nn.Module):
         self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank) if cfg.dspark else None
         self.selector = None  # DFlash 2's path selector (drafters/path_selector.py), stored in files of its own
         self.kernel = None  # inference beside a gguf-q8act target (`quantize_q8act`, drafters/dflash_kernel.py)
+        self.vocab = None  # inference with a draft vocabulary (drafters/draft_vocab.py's DraftVocab, set by `load`)
         for name, p in self.named_parameters():
             if p.dim() == 2 and not name.startswith("markov."):
                 nn.init.normal_(p, std=0.02)
@@ -237,7 +238,10 @@ class DFlashModel(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [..., d] -> U: [..., V] float32 through the target's output matrix."""
+        """h: [..., d] -> U: [..., V] float32 through the target's output matrix (with a draft vocabulary: its rows
+        only, -inf at every other token)."""
+        if self.vocab is not None:
+            return self.vocab.logits(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
         if self.parts.out_head is not None:
             return self.parts.out_head(h)  # float32: `quantize_q8act` runs on float32 drafters only
         return F.linear(h, self.parts.out_weight.to(h.dtype)).float()

@@ -1,5 +1,5 @@
-"""`verispec train data | merge-data | mix-data | eagle3 | dflash | dspark | selector | curve | export-eagle3 |
-export-dflash`."""
+"""`verispec train data | merge-data | mix-data | eagle3 | dflash | dspark | selector | curve | draft-vocab |
+export-eagle3 | export-dflash`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,11 @@ def add_train_parser(sub) -> None:
     c.add_argument("--data-tokens", type=float, default=None, help="response tokens of the training data (default: "
                    "read from the data directory in the log)")
     c.add_argument("--note", default=None, help="a sentence added under the curve")
+    v = tsub.add_parser("draft-vocab", help="store a DFlash / DSpark drafter's draft vocabulary: the most frequent "
+                        "response tokens of training data, the only tokens it then proposes (inference only)")
+    v.add_argument("checkpoint", help="directory written by `verispec train dflash | dspark`")
+    v.add_argument("--data", nargs="+", required=True, help="data directories written by `verispec train data`")
+    v.add_argument("--size", type=int, default=16384, help="tokens kept (default 16384)")
     x = tsub.add_parser("export-eagle3", help="write a trained EAGLE-3 head in the layout vLLM and SGLang load")
     x.add_argument("checkpoint", help="directory written by `verispec train eagle3` (or a shipped drafter's name)")
     x.add_argument("out", help="directory for the export")
@@ -103,6 +108,25 @@ def _curve(args: argparse.Namespace) -> None:
         raise SystemExit(f"verispec: error: {args.checkpoint}: name the drafter's --method (the log says {method!r})")
     print(add_curve_section(args.checkpoint, method, target=args.target, offset=args.offset,
                             data_tokens=args.data_tokens, note=args.note))
+
+
+def _draft_vocab(args: argparse.Namespace) -> None:
+    from verispec.drafters import draft_vocab
+    from verispec.train.share import response_counts
+
+    cfg_path = Path(args.checkpoint) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    if cfg.get("architectures") not in (["DFlashDraftModel"], ["DSparkDraftModel"]):
+        raise SystemExit(f"verispec: error: {args.checkpoint} is not a DFlash / DSpark checkpoint")
+    vocab = int(cfg["vocab_size"])
+    if not 0 < args.size <= vocab:
+        raise SystemExit(f"verispec: error: --size must be 1..{vocab}, got {args.size}")
+    counts = sum(response_counts(d, vocab) for d in args.data)
+    ids = draft_vocab.most_frequent(counts, args.size)
+    path = draft_vocab.write(args.checkpoint, ids, vocab)
+    total = int(counts.sum())
+    print(f"wrote {path}: {args.size} of {vocab} tokens, {100 * int(counts[ids].sum()) / max(total, 1):.2f}% of "
+          f"the {total} response tokens in {len(args.data)} data set(s)")
 
 
 def _export_dflash(args: argparse.Namespace) -> None:
@@ -156,7 +180,7 @@ def _block_drafter(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"data": _data, "merge-data": _merge_data, "mix-data": _mix_data, "curve": _curve,
-            "export-dflash": _export_dflash,
+            "draft-vocab": _draft_vocab, "export-dflash": _export_dflash,
             "export-eagle3": _export_eagle3, "selector": _selector, "eagle3": _eagle3, "dflash": _block_drafter,
             "dspark": _block_drafter}
 

@@ -42,6 +42,22 @@ def catalog(data_dir: str | Path) -> list[SeqRef]:
     return refs
 
 
+def response_counts(data_dir: str | Path, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] how often each token occurs in the responses of a data directory (token ids read, no states)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in read_meta(data_dir)["shards"]:
+        with safe_open(str(Path(data_dir) / shard_name(i)), framework="pt") as f:
+            ids, off = f.get_tensor("input_ids").long(), f.get_tensor("seq_offsets").tolist()
+            plen = f.get_tensor("prompt_lens").tolist()
+        for s in range(len(plen)):
+            r = ids[off[s] + int(plen[s]) : off[s + 1]]
+            if r.numel() and int(r.max()) >= vocab_size:
+                raise ValueError(f"{data_dir} holds token {int(r.max())}, outside a vocabulary of {vocab_size}: "
+                                 "data of another target")
+            counts += torch.bincount(r, minlength=vocab_size)
+    return counts
+
+
 def load(data_dir: str | Path, refs: Sequence[SeqRef], layers: Sequence[int]) -> list[TrainSequence]:
     """The sequences `refs` (in that order) with hidden states of `layers` and the last hidden state, bf16."""
     by_shard: dict[int, list[int]] = {}

@@ -1,0 +1,83 @@
+"""A DFlash / DSpark drafter's draft vocabulary, for inference only: the target tokens it may propose, the most
+frequent response tokens of its training data (`verispec train draft-vocab`), kept beside the checkpoint as
+`draft_vocab.safetensors` ("ids": ascending target ids).
+
+With one, a block's logits go through the output matrix's rows of those tokens only (and DSpark's Markov W2 rows
+likewise): on the default model 16,384 of 49,152 rows, a third of the head's bytes and arithmetic per draft row.
+The logits handed on keep the target's vocabulary, -inf at every other token, so greedy picks, sampling (the draft
+distribution is zero there: rejection sampling stays exact) and trees work unchanged. Training, exports and `train
+selector` never use it (a checkpoint saved by them keeps the file it came with).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+FILE = "draft_vocab.safetensors"
+
+
+def check(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids as a draft vocabulary: 1-D, ascending, distinct target ids; refused otherwise."""
+    ids = torch.as_tensor(ids).long().flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"a draft vocabulary needs target ids in 0..{vocab_size - 1}, got {ids.numel()} ids")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("a draft vocabulary's ids must be ascending and distinct")
+    return ids
+
+
+def read(directory: str | Path) -> torch.Tensor | None:
+    """The ids stored beside a checkpoint, or None."""
+    from safetensors.torch import load_file
+
+    p = Path(directory) / FILE
+    return load_file(str(p))["ids"] if p.is_file() else None
+
+
+def write(directory: str | Path, ids: torch.Tensor, vocab_size: int) -> Path:
+    from safetensors.torch import save_file
+
+    p = Path(directory) / FILE
+    save_file({"ids": check(ids, vocab_size).contiguous()}, str(p))
+    return p
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent tokens of counts [V] (ties: lower id), ascending."""
+    order = sorted(range(counts.shape[0]), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+class DraftVocab:
+    """The rows of the output matrix (and of DSpark's W2) for `ids`, as Q8_0 blocks on verispec's kernel beside a
+    gguf-q8act target (`kernel`), else dense in the drafter's dtype."""
+
+    def __init__(self, ids: torch.Tensor, out_weight: torch.Tensor, w2: torch.Tensor | None, kernel: bool) -> None:
+        self.ids = check(ids, out_weight.shape[0]).to(out_weight.device)
+        self.vocab_size = out_weight.shape[0]
+        self.kernel = kernel
+        head, w2r = out_weight[self.ids], None if w2 is None else w2.detach()[self.ids]
+        if kernel:
+            from verispec.execution.q8act import Q8ActWeight
+
+            self.head = Q8ActWeight.from_float(head.float().contiguous())
+            self.w2 = None if w2r is None or w2r.shape[1] % 32 else Q8ActWeight.from_float(w2r.float().contiguous())
+            self.w2_dense = w2r if self.w2 is None else None
+        else:
+            self.head, self.w2, self.w2_dense = head, None, w2r
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [n, d] -> [n, V] float32: the draft tokens' logits, -inf at every other token."""
+        small = self.head.matmul(h.float().contiguous()) if self.kernel else F.linear(h, self.head.to(h.dtype))
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
+        out[:, self.ids] = small.float()
+        return out
+
+    def corrected(self, U_row: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """DSpark's U_k + B_k over the draft tokens: U_row [Vd] float32, e = W1[x_{k-1}] [1, r] -> [Vd]."""
+        if self.w2 is not None:
+            return self.w2.matmul(e.float(), residual=U_row[None].contiguous())[0]
+        return U_row + (e @ self.w2_dense.t().to(e.dtype)).float()[0]
