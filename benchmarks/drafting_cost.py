@@ -1,14 +1,16 @@
-"""What one DFlash / DSpark proposal costs beside a gguf-q8act target: the kernel path (drafters/dflash_kernel.py,
-and DSpark's greedy walk with U_k as the residual of W2's kernel call, MarkovHead.greedy) against the torch ops over
-the same rounded weights (each layer's separate linears, torch norms, RoPE and attention; `decode` with argmax),
-side by side in one process.
+"""What one DFlash / DSpark proposal costs beside a gguf-q8act target, three arms side by side in one process:
+`torch` (the drafter's layers as torch ops over its rounded weights: separate linears, torch norms, RoPE and
+attention), `kernel` (drafters/dflash_kernel.py: a few kernel calls per layer, the context K/V of every layer in
+two linears) and, for a checkpoint with a draft vocabulary, `kernel + vocab` (drafters/draft_vocab.py: the head's
+and DSpark's W2 rows of the draft tokens only). Every arm computes the logits of the rows asked for only and
+DSpark's greedy walk with U_k as the residual of W2's kernel call (MarkovHead.greedy).
 
 Conditions (MEASURE.md): concurrency 1 (one drafter, one proposal at a time); metric: median ms per call of each
-piece (the context K/V of 2 newly committed positions, the block forward with the 7-row output head, the greedy
-decoding of 7 positions) and of the whole proposal; baseline: the torch path, interleaved with the kernel path in
-every repeat (order alternated); contexts: real ones, the target's greedy answers to the first prompts of each
-workload, anchors spread over each answer. Also: how often both paths draft the same tokens (they round
-differently, so near-ties may differ; the target verifies either).
+piece (the context K/V of 2 newly committed positions, the block forward, the logits and greedy decoding of k = 7
+positions: the proposal's time less a block forward) and of the whole proposal; baseline: the torch arm,
+interleaved with the others in every repeat (order rotated); contexts: real ones, the target's greedy answers to
+the first prompts of each workload, anchors spread over each answer. Also: how often each arm drafts the torch
+arm's tokens (they round differently, so near-ties may differ; the target verifies either).
 
     python benchmarks/drafting_cost.py --drafters smollm2-135m-instruct-dspark,smollm2-135m-instruct-dflash
 """
@@ -28,9 +30,9 @@ from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters import shipped
 from verispec.drafters.dflash import DFlashDrafter, load
 from verispec.drafters.features import take
-from verispec.execution.sampling import argmax_rows
 
 GREEDY = SamplingParams(temperature=0)
+ARMS = ("torch", "kernel", "kernel + vocab")
 
 
 def contexts(llm: LLM, layers: tuple[int, ...], workloads: list[str], limit: int, max_tokens: int):
@@ -48,32 +50,24 @@ def contexts(llm: LLM, layers: tuple[int, ...], workloads: list[str], limit: int
 
 
 @torch.inference_mode()
-def one_call(model, kernel, ids: list[int], feats: torch.Tensor, n: int, k: int) -> tuple[dict, list[int]]:
-    """One proposal at anchor position n (context: n committed positions, the last 2 caught up in the timed call),
-    on the kernel path (`kernel`) or the torch one; -> ms per piece, the drafted tokens."""
-    model.kernel = kernel
+def one_call(model, arm: tuple, ids: list[int], feats: torch.Tensor, n: int, k: int) -> tuple[dict, list[int]]:
+    """One proposal at anchor position n (context: n committed positions, the last 2 caught up in the timed call)
+    on `arm` = (kernel or None, draft vocabulary or None); -> ms per piece, the drafted tokens."""
+    model.kernel, model.vocab = arm
     d = DFlashDrafter(model, GREEDY)
     d.add_features(feats[: n - 2])
     d._catch_up()
     d.add_features(feats[n - 2 : n])
-    ms = {}
     t0 = time.perf_counter()
     d._catch_up()
     t1 = time.perf_counter()
-    h, U = d.block(ids[n], n)
+    d.hidden(ids[n], n)
     t2 = time.perf_counter()
-    g = min(k, model.cfg.block_size - 1)
-    if model.markov is None:
-        toks = argmax_rows(U[:g])
-    elif kernel is not None:
-        toks = model.markov.greedy(U[:g], h[1 : g + 1], ids[n])[0]
-    else:
-        t, _, _ = model.markov.decode(U[None, :g], h[None, 1 : g + 1], torch.tensor([ids[n]]),
-                                      lambda z, _k: z.argmax(-1))
-        toks = t[0].tolist()
+    toks = d.propose(ids[: n + 1], k).tokens  # the block forward again, then the logits and the greedy decoding
     t3 = time.perf_counter()
-    ms["context K/V (2 positions)"], ms["block + head"] = 1e3 * (t1 - t0), 1e3 * (t2 - t1)
-    ms["greedy decoding"], ms["whole proposal"] = 1e3 * (t3 - t2), 1e3 * (t3 - t0)
+    block, rest = t2 - t1, (t3 - t2) - (t2 - t1)
+    ms = {"context K/V (2 positions)": 1e3 * (t1 - t0), "block forward": 1e3 * block,
+          "logits and greedy decoding": 1e3 * rest, "whole proposal": 1e3 * (t1 - t0 + t3 - t2)}
     return ms, list(toks)
 
 
@@ -93,34 +87,40 @@ def main() -> None:
         raise SystemExit(f"the target runs the {llm.path_choice.path.name} path, not gguf-q8act: the drafters' "
                          "kernel path is not used here")
     load_meter = MachineLoad().start()
-    print("| drafter | piece | torch ms (median) | kernel ms (median) | torch / kernel |")
-    print("|---|---|---|---|---|")
+    print("| drafter | piece | " + " | ".join(f"{a} ms (median)" for a in ARMS) + " | torch / the last arm |")
+    print("|---|---|" + "---|" * len(ARMS) + "---|")
     for name in args.drafters.split(","):
         model = load(shipped.resolve(name), llm.model)
-        kernel = model.kernel
+        arms = {"torch": (None, None), "kernel": (model.kernel, None), "kernel + vocab": (model.kernel, model.vocab)}
+        if model.vocab is None:
+            del arms["kernel + vocab"]
         ctxs = contexts(llm, model.cfg.feature_layers, args.workloads.split(","), args.limit, 128)
-        times: dict[str, dict[str, list[float]]] = {"torch": defaultdict(list), "kernel": defaultdict(list)}
-        same = total = 0
+        times: dict[str, dict[str, list[float]]] = {a: defaultdict(list) for a in arms}
+        same = {a: 0 for a in arms}
+        total = 0
         for ids, feats, p in ctxs:
             span = len(ids) - p - 1
             for a in range(args.anchors):
                 n = p + (a * span) // args.anchors
                 for r in range(args.repeats + 1):  # repeat 0 warms up
                     drafted = {}
-                    for path in (("torch", "kernel") if r % 2 else ("kernel", "torch")):
-                        ms, drafted[path] = one_call(model, kernel if path == "kernel" else None, ids, feats, n,
-                                                     args.k)
+                    order = list(arms)[r % len(arms):] + list(arms)[: r % len(arms)]
+                    for arm in order:
+                        ms, drafted[arm] = one_call(model, arms[arm], ids, feats, n, args.k)
                         for piece, v in ms.items():
                             if r:
-                                times[path][piece].append(v)
+                                times[arm][piece].append(v)
                     if r == 1:
-                        same += sum(x == y for x, y in zip(drafted["torch"], drafted["kernel"]))
-                        total += len(drafted["kernel"])
-        model.kernel = kernel
+                        for arm in arms:
+                            same[arm] += sum(x == y for x, y in zip(drafted["torch"], drafted[arm]))
+                        total += len(drafted["torch"])
+        model.kernel, model.vocab = arms["kernel + vocab"] if "kernel + vocab" in arms else arms["kernel"]
         for piece in times["kernel"]:
-            a, b = statistics.median(times["torch"][piece]), statistics.median(times["kernel"][piece])
-            print(f"| {name} | {piece} | {a:.2f} | {b:.2f} | x{a / b:.2f} |")
-        print(f"| {name} | same drafted tokens | {same}/{total} ({100 * same / max(total, 1):.1f}%) | | |")
+            med = {a: statistics.median(times[a][piece]) for a in arms}
+            cells = " | ".join(f"{med[a]:.2f}" if a in med else "" for a in ARMS)
+            print(f"| {name} | {piece} | {cells} | x{med['torch'] / med[list(arms)[-1]]:.2f} |")
+        cells = " | ".join(f"{same[a]}/{total}" if a in same else "" for a in ARMS)
+        print(f"| {name} | drafted tokens equal to the torch arm's | {cells} | |")
     load_meter.stop()
     print(f"\n{len(ctxs)} answers x {args.anchors} anchors x {args.repeats} repeats per path; "
           f"{load_meter.describe()}")

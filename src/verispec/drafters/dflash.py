@@ -156,6 +156,12 @@ class DFlashDrafter:
     @torch.inference_mode()
     def block(self, anchor: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One block forward: anchor at position pos over the cached context -> h [B, d], U [B - 1, V]."""
+        h = self.hidden(anchor, pos)
+        return h, self.model.logits(h[1:])
+
+    @torch.inference_mode()
+    def hidden(self, anchor: int, pos: int) -> torch.Tensor:
+        """The block forward without the logits: anchor at position pos over the cached context -> h [B, d]."""
         B = self.cfg.block_size
         self._catch_up()
         x = self.model.block_inputs(torch.tensor([anchor], device=self.device))[0]  # [B, d]
@@ -163,11 +169,9 @@ class DFlashDrafter:
         kernel = self.model.kernel
         if kernel is not None:  # the block's K/V go after the context rows, as scratch
             self._reserve(self.n + B, x.new_empty((1, self.cfg.num_kv_heads, self.cfg.head_dim)))
-            h = kernel.block_hidden(x, positions, self._k, self._v, self.n)
-            return h, self.model.logits(h[1:])
+            return kernel.block_hidden(x, positions, self._k, self._v, self.n)
         ctx = [(k[: self.n], v[: self.n]) for k, v in zip(self._k, self._v)] if self.n else self._empty_ctx(x)
-        h = self.model.block_hidden(x, positions, ctx, None)  # [B, d]
-        return h, self.model.logits(h[1:])
+        return self.model.block_hidden(x, positions, ctx, None)  # [B, d]
 
     def _empty_ctx(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         e = x.new_zeros((0, self.cfg.num_kv_heads, self.cfg.head_dim))
@@ -183,18 +187,23 @@ class DFlashDrafter:
         if k <= 0 or n < 0 or n + B > self.model.parts.max_positions:
             return EMPTY
         g = min(k, B - 1)
-        h, U = self.block(int(context[-1]), n)  # [B, d], [B - 1, V]
-        p = self.params
+        h = self.hidden(int(context[-1]), n)  # [B, d]
+        p, vocab, markov = self.params, self.model.vocab, self.model.markov
+        if p.greedy and self.model.selector is None:  # logits of the g rows asked for, of the draft tokens only
+            hg = h[1 : g + 1]
+            U = vocab.small_logits(hg) if vocab is not None else self.model.logits(hg)  # [g, Vd or V]
+            if markov is None:
+                toks = argmax_rows(U)
+                return Draft(vocab.ids[toks].tolist() if vocab is not None else toks)
+            # DSpark greedy: left to right, argmax(U_k + B_k)
+            toks, conf = markov.greedy(U, hg, int(context[-1]), vocab)
+            return Draft(toks, None, calibrated_confidence(conf, self.cfg.confidence_temperatures).tolist())
+        U = self.model.logits(h[1:])  # [B - 1, V]
         if self.model.selector is not None:
             return self._select(U, h, int(context[-1]), g)
-        if self.model.markov is None:
-            if p.greedy:
-                return Draft(argmax_rows(U[:g]))
+        if markov is None:
             q = target_probs(U[:g], p.temperature, p.top_k, p.top_p)  # [g, V]
             return Draft(sample_rows(q, self.generator), q)
-        if p.greedy:  # DSpark greedy: left to right, argmax(U_k + B_k)
-            toks, conf = self.model.markov.greedy(U[:g], h[1 : g + 1], int(context[-1]), self.model.vocab)
-            return Draft(toks, None, calibrated_confidence(conf, self.cfg.confidence_temperatures).tolist())
         qs: list[torch.Tensor] = []
 
         def choose(z: torch.Tensor, _k: int) -> torch.Tensor:  # z: [1, V] -> [1]

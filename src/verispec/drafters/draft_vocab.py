@@ -69,12 +69,16 @@ class DraftVocab:
         else:
             self.head, self.w2, self.w2_dense = head, None, w2r
 
+    def small_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [n, d] -> [n, Vd] float32: the draft tokens' logits, in the order of `ids`."""
+        if self.kernel:
+            return self.head.matmul(h.float().contiguous())
+        return F.linear(h, self.head.to(h.dtype)).float()
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [n, d] -> [n, V] float32: the draft tokens' logits, -inf at every other token."""
-        small = self.head.matmul(h.float().contiguous()) if self.kernel else F.linear(h, self.head.to(h.dtype))
         out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
-        out[:, self.ids] = small.float()
-        return out
+        return out.index_copy_(1, self.ids, self.small_logits(h))
 
     def corrected(self, U_row: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """DSpark's U_k + B_k over the draft tokens: U_row [Vd] float32, e = W1[x_{k-1}] [1, r] -> [Vd]."""

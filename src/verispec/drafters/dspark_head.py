@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.execution.sampling import argmax_rows
+
 
 class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
@@ -69,22 +71,21 @@ class MarkovHead(nn.Module):
         """`decode` of one block with argmax, in fewer ops: x_k = argmax(U_k + B_k), where W2 runs on verispec's
         kernel (a Q8ActWeight) with U_k as the residual of its own call (the same float sum), and the confidences
         of all positions in one call after the walk. U: [g, V] float32 backbone logits, h: [g, d] hidden states,
-        anchor: x_0; vocab: a draft vocabulary (drafters/draft_vocab.py), B_k over its tokens only. Returns the
-        tokens (g) and the raw confidence logits [g]."""
+        anchor: x_0; vocab: a draft vocabulary (drafters/draft_vocab.py): U then holds its tokens' logits [g, Vd]
+        and B_k is taken over them only. Returns the tokens (g) and the raw confidence logits [g]."""
         fused = getattr(self.w2, "fuses_norm", False)  # a kernel weight: the residual goes into its call
-        small = U[:, vocab.ids] if vocab is not None else None  # [g, Vd]
         prev, toks = anchor, []
         for k in range(U.shape[0]):
             e = self.w1.weight[prev : prev + 1]  # [1, r]
-            if small is not None:
-                prev = int(vocab.ids[int(vocab.corrected(small[k], e).argmax())])
+            if vocab is not None:
+                prev = int(vocab.ids[argmax_rows(vocab.corrected(U[k], e))[0]])
                 toks.append(prev)
                 continue
             if fused:
                 z = self.w2.matmul(e.float(), residual=U[k : k + 1].float().contiguous())  # [1, V]
             else:
                 z = U[k].float() + self.w2(e).float()
-            prev = int(z.argmax())
+            prev = argmax_rows(z)[0]
             toks.append(prev)
         return toks, self.conf_logits(h, torch.tensor([anchor] + toks[:-1], device=h.device)).float()
 
