@@ -66,7 +66,6 @@ class MarkovHead(nn.Module):
             zs.append(z)
         return torch.stack(toks, 1), torch.stack(zs, 1), torch.stack(confs, 1)
 
-
     def greedy(self, U: torch.Tensor, h: torch.Tensor, anchor: int, vocab=None) -> tuple[list[int], torch.Tensor]:
         """`decode` of one block with argmax, in fewer ops: x_k = argmax(U_k + B_k), where W2 runs on verispec's
         kernel (a Q8ActWeight) with U_k as the residual of its own call (the same float sum), and the confidences
