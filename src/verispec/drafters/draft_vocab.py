@@ -46,9 +46,9 @@ def write(directory: str | Path, ids: torch.Tensor, vocab_size: int) -> Path:
 
 
 def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` most frequent tokens of counts [V] (ties: lower id), ascending."""
-    order = sorted(range(counts.shape[0]), key=lambda t: (-int(counts[t]), t))[:size]
-    return torch.tensor(sorted(order), dtype=torch.long)
+    """The `size` most frequent tokens of counts [V] (ties: lower id, so unseen tokens pad in id order),
+    ascending."""
+    return torch.sort(-counts, stable=True).indices[:size].sort().values
 
 
 class DraftVocab:
@@ -60,14 +60,13 @@ class DraftVocab:
         self.vocab_size = out_weight.shape[0]
         self.kernel = kernel
         head, w2r = out_weight[self.ids], None if w2 is None else w2.detach()[self.ids]
+        self.head, self.w2 = head, w2r  # dense rows; DSpark's W2 [Vd, r] (models/linear.py's Weight)
         if kernel:
             from verispec.execution.q8act import Q8ActWeight
 
             self.head = Q8ActWeight.from_float(head.float().contiguous())
-            self.w2 = None if w2r is None or w2r.shape[1] % 32 else Q8ActWeight.from_float(w2r.float().contiguous())
-            self.w2_dense = w2r if self.w2 is None else None
-        else:
-            self.head, self.w2, self.w2_dense = head, None, w2r
+            if w2r is not None and w2r.shape[1] % 32 == 0:  # Q8_0 blocks are 32 wide, as DFlashModel rounds W2
+                self.w2 = Q8ActWeight.from_float(w2r.float().contiguous())
 
     def small_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [n, d] -> [n, Vd] float32: the draft tokens' logits, in the order of `ids`."""
@@ -79,9 +78,3 @@ class DraftVocab:
         """h: [n, d] -> [n, V] float32: the draft tokens' logits, -inf at every other token."""
         out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
         return out.index_copy_(1, self.ids, self.small_logits(h))
-
-    def corrected(self, U_row: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """DSpark's U_k + B_k over the draft tokens: U_row [Vd] float32, e = W1[x_{k-1}] [1, r] -> [Vd]."""
-        if self.w2 is not None:
-            return self.w2.matmul(e.float(), residual=U_row[None].contiguous())[0]
-        return U_row + (e @ self.w2_dense.t().to(e.dtype)).float()[0]

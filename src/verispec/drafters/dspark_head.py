@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.execution.sampling import argmax_rows
+from verispec.models.linear import residual_linear
 
 
 class MarkovHead(nn.Module):
@@ -71,20 +72,15 @@ class MarkovHead(nn.Module):
         kernel (a Q8ActWeight) with U_k as the residual of its own call (the same float sum), and the confidences
         of all positions in one call after the walk. U: [g, V] float32 backbone logits, h: [g, d] hidden states,
         anchor: x_0; vocab: a draft vocabulary (drafters/draft_vocab.py): U then holds its tokens' logits [g, Vd]
-        and B_k is taken over them only. Returns the tokens (g) and the raw confidence logits [g]."""
-        fused = getattr(self.w2, "fuses_norm", False)  # a kernel weight: the residual goes into its call
+        and B_k is taken over them only (their rows of W2). Returns the tokens (g) and the raw confidence logits
+        [g]."""
+        w2, ids = (self.w2, None) if vocab is None else (vocab.w2, vocab.ids)
         prev, toks = anchor, []
         for k in range(U.shape[0]):
             e = self.w1.weight[prev : prev + 1]  # [1, r]
-            if vocab is not None:
-                prev = int(vocab.ids[argmax_rows(vocab.corrected(U[k], e))[0]])
-                toks.append(prev)
-                continue
-            if fused:
-                z = self.w2.matmul(e.float(), residual=U[k : k + 1].float().contiguous())  # [1, V]
-            else:
-                z = U[k].float() + self.w2(e).float()
-            prev = argmax_rows(z)[0]
+            z = residual_linear(U[k : k + 1].float().contiguous(), e, w2, None)  # U_k + B_k: [1, V or Vd]
+            j = argmax_rows(z)[0]
+            prev = j if ids is None else int(ids[j])
             toks.append(prev)
         return toks, self.conf_logits(h, torch.tensor([anchor] + toks[:-1], device=h.device)).float()
 

@@ -61,8 +61,9 @@ def norm_linear(x: torch.Tensor, norm: torch.Tensor, eps: float, w: Weight, b: t
 
 def residual_linear(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
     """x: [N, out] + h: [N, in] W^T (+ b), in one addmm when W is a tensor and there is no bias (or one kernel call
-    that adds the residual as it writes, for a kernel module that does)."""
-    if b is None and isinstance(w, torch.Tensor):
+    that adds the residual as it writes, for a kernel module that does). A float32 residual over a lower-precision
+    product (a bf16 drafter's correction of float32 logits) is added after it, in float32."""
+    if b is None and isinstance(w, torch.Tensor) and x.dtype == h.dtype == w.dtype:
         return torch.addmm(x, h, w.t())
     if b is None and fuses(w) and x.dtype is torch.float32 and h.dtype is torch.float32:
         return w.matmul(h, residual=x)  # type: ignore[operator]

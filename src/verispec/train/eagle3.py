@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from verispec.drafters.draft_vocab import most_frequent
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
 from verispec.drafters.eagle3 import load as load_head
 from verispec.drafters.features import eagle3_layers
@@ -48,8 +49,7 @@ def choose_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.T
     """The `size` most frequent tokens (ties: lower id; padded with the lowest unused ids).
     Returns d2t [size] (target id = draft id + d2t) and t2d [vocab] bool."""
     vocab = counts.shape[0]
-    order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))[:size]
-    chosen = torch.tensor(sorted(order), dtype=torch.long)
+    chosen = most_frequent(counts, size)
     d2t = chosen - torch.arange(size)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[chosen] = True
