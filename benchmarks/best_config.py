@@ -17,12 +17,16 @@ prompts in the same repeat.
 other two bars (none below x0.95 of plain on chat, EAGLE-3 at least x1.2 on code), and EAGLE-3 attached but never
 asked to draft: what keeping a learned drafter beside the target costs when the policy turns it off.
 
+`--hybrid` runs EAGLE-3 and DFlash each behind n-gram and behind suffix drafting (`"hybrid"`), beside n-gram and
+suffix alone, all under dspark.
+
     python benchmarks/best_config.py --limit 30 --repeats 2      (about 6 minutes on a 2-core CPU)
     python benchmarks/best_config.py --limit 30 --repeats 2 --max-tokens 0   # each prompt's own length (192 here)
     python benchmarks/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
     python benchmarks/best_config.py --learned --workloads chat --phases   # + ms per step by phase, per arm
     python benchmarks/best_config.py --learned --probe-shares 0.005 --limit 30 --repeats 2 --max-tokens 0
                                      # + each learned drafter with its probes priced at 0.5% of the plain steps
+    python benchmarks/best_config.py --hybrid --workloads json_records,templates,markdown,code,chat --limit 10
 """
 
 from __future__ import annotations
@@ -62,10 +66,22 @@ def learned_arms(base: LLM, k: int, probe_shares: tuple[float, ...] = ()) -> dic
     return out
 
 
+def hybrid_arms(base: LLM, k: int) -> dict[str, LLM]:
+    """EAGLE-3 and DFlash each behind n-gram and behind suffix drafting (`hybrid`), beside the model-free drafters
+    alone, all under dspark (K up to `--k`)."""
+    out: dict[str, LLM] = {"plain": base}
+    for free in ("ngram", "suffix"):
+        out[f"{free}, dspark"] = base.with_speculation(method_spec(free, k))
+    for method in ("eagle3", "dflash"):
+        for free in ("ngram", "suffix"):
+            out[f"{free}+{method}"] = base.with_speculation(method_spec(f"{free}+{method}", k))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    learned = "--learned" in argv
-    argv = [a for a in argv if a != "--learned"]
+    learned, hybrid = "--learned" in argv, "--hybrid" in argv
+    argv = [a for a in argv if a not in ("--learned", "--hybrid")]
     shares: tuple[float, ...] = ()
     if "--probe-shares" in argv:
         i = argv.index("--probe-shares")
@@ -76,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--workloads" not in argv:
         argv += ["--workloads", "chat,code" if learned else STRUCTURED]
     arms = functools.partial(learned_arms, probe_shares=shares) if learned else model_free_arms
+    if hybrid:
+        if learned:
+            raise SystemExit("--hybrid and --learned are two sets of arms: give one")
+        arms = hybrid_arms
     return compare_arms(__doc__, arms, argv, default_limit=10)
 
 

@@ -9,6 +9,7 @@ request (stats draft_s and forward_s over its steps, the prefill step included),
 pays only when tau exceeds (draft + target forward per step) / plain's forward per step.
 
     python benchmarks/learned_drafters.py --drafters eagle3:DIR,dflash:DIR,dspark:DIR --dtype bfloat16 --limit 3
+    python benchmarks/learned_drafters.py --drafters suffix,eagle3,suffix+eagle3 --k 7   # a hybrid beside its sides
 """
 
 from __future__ import annotations

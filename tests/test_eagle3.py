@@ -153,6 +153,29 @@ def test_greedy_output_equals_hf_with_state_oracle(setup, scheduler):
     assert llm.engine.kv_tokens() == 0
 
 
+def test_hybrid_drafting_equals_hf_with_state_oracle_and_both_sides_draft(setup):
+    """n-gram drafts first, the head where the policy verifies none of them (static K = 3: wherever n-gram has no
+    match): 6 requests on 4 slots, chunked prefill, the head's features and K/V checked after every step."""
+    head_dir = str(setup["root"] / "head")
+    llm = LLM(str(setup["root"] / "target"), dtype="float32", max_model_len=128, max_num_seqs=4, progress=False,
+              speculative_config={"method": "eagle3", "model": head_dir, "num_speculative_tokens": 3,
+                                  "hybrid": "ngram", "prompt_lookup_min": 2},
+              check_state=True, scheduler="static", max_num_batched_tokens=8)
+    drafters = []
+    new = llm.drafters.new
+    llm.drafters.new = lambda params, n: drafters.append(new(params, n)) or drafters[-1]  # type: ignore[method-assign]
+    prompts = [p["ids"] + p["ids"][:3] for p in setup["prompts"][:6]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * 6, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(setup["hf"], p, MAX_NEW)
+    free = sum(d.proposals["free"] for d in drafters)
+    model = sum(d.proposals["model"] for d in drafters)
+    assert free > 0 and model > 0, f"both sides must have drafted (n-gram {free}, head {model})"
+    assert sum(o.stats["num_accepted_tokens"] for o in outs) > 0
+    assert llm.engine.kv_tokens() == 0
+
+
 def test_state_oracle_catches_a_stale_drafter_position(setup):
     """Negative control: corrupt one committed K/V row of the head; the oracle must name it."""
     from verispec.drafters.features import target_features

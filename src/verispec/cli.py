@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from verispec.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPEC_METHODS
+from verispec.config import KV_CACHE_DTYPES, MODEL_FREE_METHODS, QUANTIZATIONS, SPEC_METHODS
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -51,6 +51,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft model (--method draft_model) or trained drafter directory / shipped name "
                         "(--method eagle3 | dflash | dspark; see `verispec drafters list`; without it, the shipped "
                         "drafter trained for --model, if there is one)")
+    p.add_argument("--hybrid", default=None, choices=MODEL_FREE_METHODS,
+                   help="a model-free drafter drafting first each step; the --method drafter drafts where the "
+                        "policy verifies none of its draft")
     p.add_argument("--speculative-config", default=None, help="JSON dict, vLLM's speculative_config")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens instead of adapting k")
     p.add_argument("--check-state", action="store_true",
@@ -68,6 +71,8 @@ def _spec_config(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.draft_model:
         spec.setdefault("method", "draft_model")
         spec["model"] = args.draft_model
+    if args.hybrid:
+        spec["hybrid"] = args.hybrid
     if args.no_adaptive:
         spec["adaptive"] = False
     return spec or None

@@ -148,6 +148,7 @@ QUANTIZATIONS = ("gguf", "gguf-q8act")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree
+HYBRID_METHODS = ("draft_model", *LEARNED_METHODS, *NATIVE_METHODS)  # model drafters a hybrid's model-free one precedes
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,9 @@ class SpeculativeConfig:
     # speculative_num_draft_tokens); the TREE_METHODS drafters propose trees so far, with the exact rule.
     # "auto": per request and step, the shape expected to commit more tokens per second (engine/costs.py's prefer_tree)
     draft_tree: bool | str = False
+    # a model-free drafter (ngram or suffix) drafting first each step, the method's model drafter where the policy
+    # verifies none of the model-free draft (drafters/hybrid.py; each side with its own acceptance estimate)
+    hybrid: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -187,11 +191,23 @@ class SpeculativeConfig:
                              f"itself when the target is the model it was trained for)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.hybrid is not None:
+            self._check_hybrid()
         if self.draft_tree not in (False, True, "auto"):
             raise ValueError(f"draft_tree takes true, false or \"auto\", got {self.draft_tree!r}")
         if self.draft_tree and (self.method not in TREE_METHODS or self.acceptance_rule != "exact"):
             raise ValueError(f"draft_tree: only the {', '.join(TREE_METHODS)} drafters propose trees so far, "
                              "verified with the exact rule")
+
+    def _check_hybrid(self) -> None:
+        if self.hybrid not in MODEL_FREE_METHODS:
+            raise ValueError(f"hybrid takes a model-free method ({', '.join(MODEL_FREE_METHODS)}), "
+                             f"got {self.hybrid!r}")
+        if self.method not in HYBRID_METHODS:
+            raise ValueError(f"hybrid {self.hybrid!r} goes with a model drafter ({', '.join(HYBRID_METHODS)}), "
+                             f"not method {self.method!r}")
+        if self.draft_tree:
+            raise ValueError("draft_tree: a hybrid drafter proposes chains only")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | "SpeculativeConfig" | None) -> "SpeculativeConfig":

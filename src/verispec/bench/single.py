@@ -32,7 +32,14 @@ SPLIT = ("draft_s", "forward_s", "verify_s", "sched_s", "state_s")
 
 def method_spec(name: str, k: int) -> dict[str, Any] | None:
     """'none', 'ngram', 'suffix', 'draft_model:PATH' or 'eagle3|dflash|dspark[:PATH_OR_NAME]' -> a
-    speculative_config (a learned method without a path: the shipped drafter trained for the target)."""
+    speculative_config (a learned method without a path: the shipped drafter trained for the target);
+    'ngram+M' / 'suffix+M': the model drafter M behind that model-free one (`hybrid`)."""
+    free, plus, model = name.partition("+")
+    if plus and free in MODEL_FREE_METHODS:
+        spec = method_spec(model, k)
+        if spec is None or spec["method"] in MODEL_FREE_METHODS:
+            raise ValueError(f"{name!r}: a model-free drafter goes first of a model drafter, not of {model!r}")
+        return {**spec, "hybrid": free}
     if name == "none":
         return None
     if name in MODEL_FREE_METHODS:

@@ -15,7 +15,8 @@ from verispec.execution.sampling import SamplingParams
 
 
 class DrafterFactory:
-    """Holds what drafters share across requests (a draft model and its cache, the suffix cache)."""
+    """Holds what drafters share across requests (a draft model and its cache, the suffix cache); with
+    `hybrid`, each request's model drafter goes behind a model-free one (drafters/hybrid.py)."""
 
     def __init__(self, cfg: SpeculativeConfig, target=None, target_tokenizer=None, max_len: int = 4096,
                  num_slots: int = 1) -> None:
@@ -60,11 +61,12 @@ class DrafterFactory:
     def reset_shared(self) -> None:
         """Forget what drafters learned across requests (the suffix cache of earlier outputs, the n-gram drafts'
         survival)."""
-        if self.cfg.method == "ngram":
+        free = {self.cfg.method, self.cfg.hybrid}  # the method's drafter and a hybrid's model-free one
+        if "ngram" in free:
             from verispec.drafters.hindsight import SurvivalTable
 
             self.ngram_survival = SurvivalTable()
-        if self.cfg.method == "suffix":
+        if "suffix" in free:
             from verispec.drafters.suffix import SuffixCache
 
             self.suffix_cache = SuffixCache()
@@ -74,7 +76,14 @@ class DrafterFactory:
         make = DRAFTERS.get(self.cfg.method)
         if make is None:
             raise ValueError(_unknown(self.cfg.method, DRAFTERS))
-        return make(self, params, prompt_len)
+        drafter = make(self, params, prompt_len)
+        if self.cfg.hybrid is None or drafter is None:
+            return drafter
+        from verispec.drafters.hybrid import HybridDrafter
+
+        free = DRAFTERS[self.cfg.hybrid](self, params, prompt_len)
+        assert free is not None
+        return HybridDrafter(free, drafter)
 
 
 # ---- the registries ------------------------------------------------------------------------------------------

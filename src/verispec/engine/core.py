@@ -24,11 +24,12 @@ from typing import Callable
 
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
 from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.draft_timing import DraftTiming
-from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, plan_step
+from verispec.engine.plan import LiveRequest, Side, StepPlan, TokenCallback, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
 from verispec.execution.hidden_states import check_layers, record_hidden_states, record_layers
@@ -93,6 +94,7 @@ class Engine:
         # the drafter's time per proposal as the latest request to measure it left it: a new request starts from
         # it (unknown, its first draft would be priced as free and take the whole limit)
         self._draft_timing = DraftTiming()
+        self._model_timing = DraftTiming()  # a hybrid drafter's model side's
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request, on_tokens: TokenCallback | None = None) -> None:
@@ -191,28 +193,40 @@ class Engine:
             lv.on_tokens(lv.req, [])
 
     def _draft(self, plan: StepPlan) -> None:
-        """Policy lengths before drafting, the drafters' proposals, the policy's cut before verification."""
+        """Policy lengths before drafting, the drafters' proposals, the policy's cut before verification; then, for
+        hybrid drafters whose model-free draft the policy cut to nothing, the same for their model drafters (each
+        side with its own estimate; the second stage weighs its drafts against the decode rows as the first does)."""
         for lv in plan.decode:
             lv.clear_draft()
+            lv.model_free_side()
         spec = plan.speculating
         if not spec:
             return
+        budget = self._draft_stage(spec, plan.base_tokens, plan.draft_budget)
+        second = [lv for lv in spec if lv.other is not None and not lv.draft.tokens and lv.drafter is not None]
+        if second:
+            for lv in second:
+                lv.switch_side()
+            self._draft_stage(second, plan.base_tokens, budget)
+
+    def _draft_stage(self, spec: list[LiveRequest], base_tokens: int, budget: int) -> int:
+        """One drafting stage over `spec` with `budget` draft tokens left in the step; returns what is left."""
         limits = [self._limit(lv) for lv in spec]
         if self.config.draft_tree == "auto":
             for lv, k in zip(spec, limits):
-                lv.choose_shape(k, self.policy.step_seconds(plan.base_tokens + k, plan.base_tokens))
+                lv.choose_shape(k, self.policy.step_seconds(base_tokens + k, base_tokens))
         cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass)
                  for lv, k in zip(spec, limits)]
-        proposals = [lv.propose(k) for lv, k in zip(spec, self.policy.draft_lengths(cands, plan.base_tokens))]
+        proposals = [lv.propose(k) for lv, k in zip(spec, self.policy.draft_lengths(cands, base_tokens))]
         if not any(d.tokens for d in proposals):  # speculation off this step: nothing for the policy to cut
-            return
-        keep = self.policy.verify_lengths(cands, proposals, plan.base_tokens)
-        budget = plan.draft_budget
+            return budget
+        keep = self.policy.verify_lengths(cands, proposals, base_tokens)
         for lv, d, n in zip(spec, proposals, keep):
             n = max(0, min(n, budget))
             budget -= n
             lv.draft = d.head(n)
             lv.shadow = d.tokens[0] if d.tokens and not n else None  # drafted, none verified (see `_account`)
+        return budget
 
     def _limit(self, lv: LiveRequest) -> int:
         r = lv.req
@@ -364,6 +378,7 @@ class Engine:
             raise
         live = self._preempted.pop(req.request_id, None)
         if live is not None:
+            live.model_free_side()
             live.drafter = drafter
             live.estimator.proposals_timed = 0  # the new drafter's first proposal catches up on everything again
             live.clear_draft()
@@ -372,11 +387,21 @@ class Engine:
             est = AcceptanceEstimator(timing=self._draft_timing.copy(), probe_share=self.config.probe_share)
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
-                               one_pass=getattr(drafter, "drafts_in_one_pass", False))
+                               one_pass=getattr(drafter, "drafts_in_one_pass", False), other=self._model_side(drafter))
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore
         self.running.append(live)
+
+    def _model_side(self, drafter: Drafter | None) -> Side | None:
+        """A hybrid drafter's model side: its own estimate, seeded with the last finished request's model drafting
+        time (the model-free side's would price a model's pass as microseconds)."""
+        if not isinstance(drafter, HybridDrafter):
+            return None
+        model = drafter.model
+        est = AcceptanceEstimator(timing=self._model_timing.copy(), probe_share=self.config.probe_share)
+        return Side(est, confidences=getattr(model, "gives_confidence", True),
+                    one_pass=getattr(model, "drafts_in_one_pass", False))
 
     def _preempt(self, lv: LiveRequest) -> None:
         """Out of KV blocks: free the request's blocks and drafter and put it back at the front of the queue; when
@@ -407,15 +432,23 @@ class Engine:
         self.running = still
 
     def _release(self, lv: LiveRequest) -> None:
-        if lv.estimator.proposals_timed >= 2:  # its own measurement (its first proposal is not one)
-            self._draft_timing = lv.estimator.timing.copy()
-        elif lv.drafter is not None:  # measured nothing: the estimate it started from was not confirmed
-            self._draft_timing = self._draft_timing.decayed()
+        lv.model_free_side()
+        self._draft_timing = self._carried(lv.estimator, self._draft_timing, lv.drafter is not None)
+        if lv.other is not None:
+            self._model_timing = self._carried(lv.other.estimator, self._model_timing, lv.drafter is not None)
         if lv.drafter is not None:
             lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:
             self.cache.free(lv.req.slot)
         self.num_finished += 1
+
+    @staticmethod
+    def _carried(est: AcceptanceEstimator, before: DraftTiming, drafted: bool) -> DraftTiming:
+        """The drafting time the next request starts from: this one's own measurement (its first proposal is not
+        one), else the earlier estimate, decayed where it had a drafter that measured nothing to confirm it."""
+        if est.proposals_timed >= 2:
+            return est.timing.copy()
+        return before.decayed() if drafted else before
 
     def fail_all(self, message: str) -> list[Request]:
         """After an engine error: finish every request with `message` as its error, free everything."""

@@ -30,6 +30,17 @@ SHAPE_RETRY_EVERY = 8  # with "draft_tree": "auto", every 8th speculating step d
 
 
 @dataclass
+class Side:
+    """One side of a hybrid drafter (drafters/hybrid.py) while the other drafts: its acceptance estimate, probe
+    schedule and traits, kept aside."""
+
+    estimator: AcceptanceEstimator
+    probe: bool = False
+    confidences: bool = True
+    one_pass: bool = False
+
+
+@dataclass
 class LiveRequest:
     """Engine-side state of one admitted request, including this step's draft."""
 
@@ -53,6 +64,10 @@ class LiveRequest:
     tree_now: bool = False
     tree_estimator: AcceptanceEstimator | None = None
     shape_steps: int = 0  # steps in a row in the preferred shape (the other is retried every SHAPE_RETRY_EVERY)
+    # a hybrid drafter's side not drafting now (its model drafter, or while that drafts its model-free one): the
+    # engine's second drafting stage switches to it where the policy verified none of the model-free draft
+    other: Side | None = None
+    on_model: bool = False  # switched to the hybrid's model drafter for this step
 
     @property
     def prefilled(self) -> bool:
@@ -118,6 +133,23 @@ class LiveRequest:
 
     def clear_draft(self) -> None:
         self.draft, self.draft_s, self.proposed_tokens, self.shadow = EMPTY, 0.0, 0, None
+
+    def switch_side(self) -> None:
+        """A hybrid drafter's other side drafts from now on (this step's model-free draft, cut to nothing, is
+        forgotten): its estimate, probes and traits swap with the ones in use, and the drafter proposes from it."""
+        assert self.other is not None, "only a hybrid drafter has two sides"
+        mine = Side(self.estimator, self.probe, self.confidences, self.one_pass)
+        o = self.other
+        self.estimator, self.probe, self.confidences, self.one_pass = o.estimator, o.probe, o.confidences, o.one_pass
+        self.other, self.on_model = mine, not self.on_model
+        if self.drafter is not None:
+            self.drafter.use_model = self.on_model  # type: ignore[attr-defined]
+        self.clear_draft()
+
+    def model_free_side(self) -> None:
+        """Back to the hybrid's model-free side (each step starts there)."""
+        if self.on_model:
+            self.switch_side()
 
     @property
     def proposed(self) -> bool:
