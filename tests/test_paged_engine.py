@@ -52,17 +52,19 @@ def _llm(path: str, method: str = "none", **kw) -> LLM:
 
 
 @pytest.mark.parametrize("method,prefix", [("none", False), ("ngram", False), ("draft_model", False),
-                                           ("ngram", True)])
+                                           ("ngram", True), ("ngram+draft_model", False)])
 def test_pool_too_small_for_all_preempts_and_every_output_matches_hf(tiny, method, prefix):
-    """With prefix caching, a preempted request's own prompt blocks stay cached and are hit when it comes back."""
+    """With prefix caching, a preempted request's own prompt blocks stay cached and are hit when it comes back.
+    ngram+draft_model: a hybrid (its two sides' state across preemption, the draft model's KV slot given back)."""
     path, hf = tiny
+    hybrid, _, method = method.rpartition("+")
     spec_path = {"draft_model": path}.get(method)
     # 14 blocks of 4: the longest request alone needs 10, all five at once about 40
     llm = _llm(path, "none", max_num_seqs=5, kv_cache_memory_bytes=14 * BLOCK_BYTES, check_state=True,
                enable_prefix_caching=prefix)
     if method != "none":
         llm = llm.with_speculation({"method": method, "model": spec_path, "num_speculative_tokens": 3,
-                                    "adaptive": False})
+                                    "adaptive": False, **({"hybrid": hybrid} if hybrid else {})})
     assert llm.cache.pool.num_blocks == 14
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [_greedy(n) for n in MAX_TOKENS], use_tqdm=False)
     for p, n, out in zip(PROMPTS, MAX_TOKENS, outs):

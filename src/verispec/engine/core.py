@@ -380,7 +380,8 @@ class Engine:
         if live is not None:
             live.model_free_side()
             live.drafter = drafter
-            live.estimator.proposals_timed = 0  # the new drafter's first proposal catches up on everything again
+            for est in (live.estimator, *([live.other.estimator] if live.other else [])):
+                est.proposals_timed = 0  # the new drafter's first proposal catches up on everything again
             live.clear_draft()
         else:
             gen = None if p.greedy else p.make_generator(self.model.device)
