@@ -172,6 +172,9 @@ def test_hybrid_drafting_equals_hf_with_state_oracle_and_both_sides_draft(setup)
     free = sum(d.proposals["free"] for d in drafters)
     model = sum(d.proposals["model"] for d in drafters)
     assert free > 0 and model > 0, f"both sides must have drafted (n-gram {free}, head {model})"
+    side = sum(o.stats["hybrid_model_draft_tokens"] for o in outs)  # the head's share of the verified drafts
+    assert 0 < side < sum(o.stats["num_draft_tokens"] for o in outs)
+    assert sum(o.stats["hybrid_model_accepted_tokens"] for o in outs) <= side
     assert sum(o.stats["num_accepted_tokens"] for o in outs) > 0
     assert llm.engine.kv_tokens() == 0
 

@@ -323,6 +323,11 @@ class Engine:
         lv.req.spec.record(g, verdict.accepted, draft_s=lv.draft_s, forward_s=timing.forward_s, verify_s=verify_s,
                            sched_s=timing.sched_s, state_s=state_s)
         lv.req.spec.record_drift(verdict.relaxed, verdict.tv_sum, verdict.tv_positions)
+        if lv.on_model:  # a hybrid's model side drafted this step (the rest of its drafts are the model-free side's)
+            side = lv.req.spec.hybrid_model
+            assert side is not None
+            side[0] += g
+            side[1] += verdict.accepted
         self.counters.record(g, verdict.accepted)
 
     # ---- admission and release ------------------------------------------------------------------
@@ -389,6 +394,8 @@ class Engine:
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
                                one_pass=getattr(drafter, "drafts_in_one_pass", False), other=self._model_side(drafter))
+            if live.other is not None:
+                req.spec.hybrid_model = [0, 0]
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore

@@ -73,6 +73,8 @@ class SpecStats:
     relaxed: int = 0
     tv_sum: float = 0.0
     tv_positions: int = 0
+    # a hybrid drafter's model side (drafters/hybrid.py): [its draft tokens verified, accepted]; None without a hybrid
+    hybrid_model: list[int] | None = None
 
     def record(self, drafted: int, accepted: int, *, draft_s: float, forward_s: float, verify_s: float,
                sched_s: float, state_s: float) -> None:
@@ -121,7 +123,8 @@ class SpecStats:
             "num_relaxed_accepted_tokens": self.relaxed,
             "tv_mean": self.tv_sum / self.tv_positions if self.tv_positions else None,
             "tv_positions": self.tv_positions,
-        }
+        } | ({} if self.hybrid_model is None else {"hybrid_model_draft_tokens": self.hybrid_model[0],
+                                                     "hybrid_model_accepted_tokens": self.hybrid_model[1]})
 
 
 @dataclass
