@@ -24,12 +24,11 @@ from typing import Callable
 
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
-from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
 from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.draft_timing import DraftTiming
-from verispec.engine.plan import LiveRequest, Side, StepPlan, TokenCallback, plan_step
+from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, model_side, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
 from verispec.execution.hidden_states import check_layers, record_hidden_states, record_layers
@@ -324,10 +323,7 @@ class Engine:
                            sched_s=timing.sched_s, state_s=state_s)
         lv.req.spec.record_drift(verdict.relaxed, verdict.tv_sum, verdict.tv_positions)
         if lv.on_model:  # a hybrid's model side drafted this step (the rest of its drafts are the model-free side's)
-            side = lv.req.spec.hybrid_model
-            assert side is not None
-            side[0] += g
-            side[1] += verdict.accepted
+            lv.req.spec.record_model_side(g, verdict.accepted)
         self.counters.record(g, verdict.accepted)
 
     # ---- admission and release ------------------------------------------------------------------
@@ -393,23 +389,14 @@ class Engine:
             est = AcceptanceEstimator(timing=self._draft_timing.copy(), probe_share=self.config.probe_share)
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
-                               one_pass=getattr(drafter, "drafts_in_one_pass", False), other=self._model_side(drafter))
+                               one_pass=getattr(drafter, "drafts_in_one_pass", False),
+                               other=model_side(drafter, self._model_timing, self.config.probe_share))
             if live.other is not None:
                 req.spec.hybrid_model = [0, 0]
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore
         self.running.append(live)
-
-    def _model_side(self, drafter: Drafter | None) -> Side | None:
-        """A hybrid drafter's model side: its own estimate, seeded with the last finished request's model drafting
-        time (the model-free side's would price a model's pass as microseconds)."""
-        if not isinstance(drafter, HybridDrafter):
-            return None
-        model = drafter.model
-        est = AcceptanceEstimator(timing=self._model_timing.copy(), probe_share=self.config.probe_share)
-        return Side(est, confidences=getattr(model, "gives_confidence", True),
-                    one_pass=getattr(model, "drafts_in_one_pass", False))
 
     def _preempt(self, lv: LiveRequest) -> None:
         """Out of KV blocks: free the request's blocks and drafter and put it back at the front of the queue; when
@@ -441,22 +428,16 @@ class Engine:
 
     def _release(self, lv: LiveRequest) -> None:
         lv.model_free_side()
-        self._draft_timing = self._carried(lv.estimator, self._draft_timing, lv.drafter is not None)
+        drafted = lv.drafter is not None
+        self._draft_timing = self._draft_timing.handed_on(lv.estimator.timing, lv.estimator.proposals_timed, drafted)
         if lv.other is not None:
-            self._model_timing = self._carried(lv.other.estimator, self._model_timing, lv.drafter is not None)
+            est = lv.other.estimator
+            self._model_timing = self._model_timing.handed_on(est.timing, est.proposals_timed, drafted)
         if lv.drafter is not None:
             lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:
             self.cache.free(lv.req.slot)
         self.num_finished += 1
-
-    @staticmethod
-    def _carried(est: AcceptanceEstimator, before: DraftTiming, drafted: bool) -> DraftTiming:
-        """The drafting time the next request starts from: this one's own measurement (its first proposal is not
-        one), else the earlier estimate, decayed where it had a drafter that measured nothing to confirm it."""
-        if est.proposals_timed >= 2:
-            return est.timing.copy()
-        return before.decayed() if drafted else before
 
     def fail_all(self, message: str) -> list[Request]:
         """After an engine error: finish every request with `message` as its error, free everything."""

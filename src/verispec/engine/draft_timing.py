@@ -76,3 +76,11 @@ class DraftTiming:
         m = self.moments
         return replace(self, per_token=self.per_token * factor, per_proposal=self.per_proposal * factor,
                        moments=None if m is None else (m[0], m[1] * factor, m[2], m[3] * factor))
+
+    def handed_on(self, measured: "DraftTiming", proposals: int, drafted: bool) -> "DraftTiming":
+        """What the next request starts from, after one that started from this estimate and then `measured` its
+        own over `proposals` timed proposals: that measurement where it timed two or more (its first proposal
+        catches up and is not one), else this estimate, decayed where it had a drafter that measured nothing."""
+        if proposals >= 2:
+            return measured.copy()
+        return self.decayed() if drafted else self

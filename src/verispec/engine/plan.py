@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine.costs import AcceptanceEstimator, prefer_tree
+from verispec.engine.draft_timing import DraftTiming
 from verispec.state.request import Request
 
 if TYPE_CHECKING:
@@ -38,6 +40,16 @@ class Side:
     probe: bool = False
     confidences: bool = True
     one_pass: bool = False
+
+
+def model_side(drafter: "Drafter | None", timing: DraftTiming, probe_share: float) -> Side | None:
+    """A hybrid drafter's model side: its own estimate, seeded with `timing`, the last finished request's model
+    drafting time (the model-free side's would price a model's pass as microseconds); None for other drafters."""
+    if not isinstance(drafter, HybridDrafter):
+        return None
+    est = AcceptanceEstimator(timing=timing.copy(), probe_share=probe_share)
+    return Side(est, confidences=getattr(drafter.model, "gives_confidence", True),
+                one_pass=getattr(drafter.model, "drafts_in_one_pass", False))
 
 
 @dataclass

@@ -94,6 +94,12 @@ class SpecStats:
         self.sched_s += sched_s
         self.state_s += state_s
 
+    def record_model_side(self, drafted: int, accepted: int) -> None:
+        """A hybrid drafter's model side drafted this step's `drafted` verified tokens, `accepted` of them kept."""
+        assert self.hybrid_model is not None and 0 <= accepted <= drafted
+        self.hybrid_model[0] += drafted
+        self.hybrid_model[1] += accepted
+
     def record_drift(self, relaxed: int, tv_sum: float, positions: int) -> None:
         assert 0 <= relaxed and 0 <= positions and tv_sum >= -1e-9
         self.relaxed += relaxed
