@@ -286,7 +286,7 @@ class LLM:
         if self.scheduler is not None:
             return self.scheduler
         # dspark: at or above goodput with n-gram drafts on every shipped workload, level with it for EAGLE-3
-        # (README, "n-gram confidences scored in hindsight"); the server's default too
+        # (docs/speculation.md, "n-gram confidences scored in hindsight"); the server's default too
         return "dspark" if self.spec.adaptive else "static"
 
     @property

@@ -196,7 +196,7 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 # the default `probe_share`, 2% of the plain steps' time (0.5% cut the learned drafters' drafting time by 3-29% on
-# chat and code and left their speed level: README, "Probes at 0.5%")
+# chat and code and left their speed level: docs/drafters.md, "Probes at 0.5%")
 PROBE_SHARE = 0.02
 
 
