@@ -391,8 +391,7 @@ class Engine:
                                confidences=getattr(drafter, "gives_confidence", True),
                                one_pass=getattr(drafter, "drafts_in_one_pass", False),
                                other=model_side(drafter, self._model_timing, self.config.probe_share))
-            if live.other is not None:
-                req.spec.hybrid_model = [0, 0]
+            req.spec.hybrid = live.other is not None
             req.stats.queue_s = time.perf_counter() - req.start_time
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore

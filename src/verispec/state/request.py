@@ -73,8 +73,11 @@ class SpecStats:
     relaxed: int = 0
     tv_sum: float = 0.0
     tv_positions: int = 0
-    # a hybrid drafter's model side (drafters/hybrid.py): [its draft tokens verified, accepted]; None without a hybrid
-    hybrid_model: list[int] | None = None
+    # a hybrid drafter's model side (drafters/hybrid.py): its draft tokens verified and accepted (in the stats only
+    # where the request drafts with a hybrid)
+    hybrid: bool = False
+    model_drafted: int = 0
+    model_accepted: int = 0
 
     def record(self, drafted: int, accepted: int, *, draft_s: float, forward_s: float, verify_s: float,
                sched_s: float, state_s: float) -> None:
@@ -96,9 +99,9 @@ class SpecStats:
 
     def record_model_side(self, drafted: int, accepted: int) -> None:
         """A hybrid drafter's model side drafted this step's `drafted` verified tokens, `accepted` of them kept."""
-        assert self.hybrid_model is not None and 0 <= accepted <= drafted
-        self.hybrid_model[0] += drafted
-        self.hybrid_model[1] += accepted
+        assert self.hybrid and 0 <= accepted <= drafted
+        self.model_drafted += drafted
+        self.model_accepted += accepted
 
     def record_drift(self, relaxed: int, tv_sum: float, positions: int) -> None:
         assert 0 <= relaxed and 0 <= positions and tv_sum >= -1e-9
@@ -129,8 +132,8 @@ class SpecStats:
             "num_relaxed_accepted_tokens": self.relaxed,
             "tv_mean": self.tv_sum / self.tv_positions if self.tv_positions else None,
             "tv_positions": self.tv_positions,
-        } | ({} if self.hybrid_model is None else {"hybrid_model_draft_tokens": self.hybrid_model[0],
-                                                     "hybrid_model_accepted_tokens": self.hybrid_model[1]})
+        } | ({"hybrid_model_draft_tokens": self.model_drafted, "hybrid_model_accepted_tokens": self.model_accepted}
+             if self.hybrid else {})
 
 
 @dataclass
