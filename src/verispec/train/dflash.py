@@ -275,7 +275,8 @@ def add_args(parser, method: str) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", default=None, help="start from this trained drafter (a directory or shipped "
                         "name) instead of fresh weights; its layers, block size and target layers are kept (a DFlash "
-                        "path selector is dropped: it was fitted to the old backbone)")
+                        "path selector is dropped: it was fitted to the old backbone); `train dspark` also takes a "
+                        "DFlash drafter: its backbone, with DSpark's heads fresh")
     loop_args(parser)
     if method == "dspark":
         parser.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head W2 W1")
@@ -288,6 +289,8 @@ def initial_drafter(init: str, target, asked: DFlashConfig, layers_given: bool) 
     from verispec.drafters.shipped import resolve
 
     model = load(resolve(init), target, inference=False).float().train()
+    if asked.dspark and not model.cfg.dspark:
+        model = with_markov_head(model, asked.markov_rank)
     c = model.cfg
     checks = [("dspark", c.dspark, asked.dspark), ("block_size", c.block_size, asked.block_size)]
     checks += [("markov_rank", c.markov_rank, asked.markov_rank)] if c.dspark and asked.dspark else []
@@ -298,6 +301,17 @@ def initial_drafter(init: str, target, asked: DFlashConfig, layers_given: bool) 
                          " with its shape, or start afresh")
     model.selector = None
     return model
+
+
+def with_markov_head(dflash: DFlashModel, rank: int) -> DFlashModel:
+    """A DSpark drafter on a trained DFlash backbone: every backbone weight copied, DSpark's heads fresh (W2 = 0, so
+    its drafts start as the DFlash drafter's; the confidence head untrained)."""
+    from dataclasses import replace
+
+    model = DFlashModel(replace(dflash.cfg, dspark=True, markov_rank=rank), dflash.parts)
+    missing, unexpected = model.load_state_dict(dflash.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("markov.") for k in missing), (missing, unexpected)
+    return model.train()
 
 
 def run(args, method: str) -> dict:
