@@ -10,6 +10,12 @@ pays only when tau exceeds (draft + target forward per step) / plain's forward p
 
     python benchmarks/learned_drafters.py --drafters eagle3:DIR,dflash:DIR,dspark:DIR --dtype bfloat16 --limit 3
     python benchmarks/learned_drafters.py --drafters suffix,eagle3,suffix+eagle3 --k 7   # a hybrid beside its sides
+    python benchmarks/learned_drafters.py --drafters eagle3,eagle3@blind --scheduler dspark   # confidences withheld
+
+A drafter named with `@blind` has its confidences withheld (its drafts carry none and it does not stop early), as
+EAGLE-3, draft models and MTP layers drafted before they gave confidences: the policy then works from its online
+estimate alone. The online calibration (ECE) is reported for every drafter whose drafts carry confidences, from
+the static scheduler's runs only (there every proposed position is verified).
 """
 
 from __future__ import annotations
@@ -25,21 +31,25 @@ from verispec.bench.load import MachineLoad
 from verispec.bench.single import method_spec
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import compare_greedy
+from verispec.drafters.base import Draft
 from verispec.train.calibrate import ece
 
 
 class Recorder:
     """Wraps a drafter: keeps (cumulative survival prediction, survived?) for every verified draft position."""
 
-    def __init__(self, inner, pairs: list) -> None:
-        self.inner, self.pairs, self.last = inner, pairs, None
+    def __init__(self, inner, pairs: list, blind: bool = False) -> None:
+        self.inner, self.pairs, self.last, self.blind = inner, pairs, None, blind
         self.name = inner.name
         self.feature_layers = getattr(inner, "feature_layers", ())
-        self.gives_confidence = getattr(inner, "gives_confidence", True)
+        self.gives_confidence = not blind and getattr(inner, "gives_confidence", True)
         self.drafts_in_one_pass = getattr(inner, "drafts_in_one_pass", False)
+        self.stops_early = not blind and getattr(inner, "stops_early", False)
 
-    def propose(self, context, k):
-        d = self.inner.propose(context, k)
+    def propose(self, context, k, **kw):
+        d = self.inner.propose(context, k, **kw)
+        if self.blind:
+            d = Draft(d.tokens, d.probs)
         self.last = d
         return d
 
@@ -77,18 +87,22 @@ def main() -> None:
 
     base = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=2048, max_num_seqs=1, progress=False)
     engines = {"none": base}
-    pairs: dict[str, list] = {}  # engine name -> (predicted survival, survived) per verified DSpark position
+    pairs: dict[str, list] = {}  # engine name -> (predicted survival, survived) per verified position with confidence
     items = args.drafters.split(",")
     names = [i.split(":", 1)[0] for i in items]
     for item, name in zip(items, names):
-        spec = method_spec(item, args.k)
+        method, blind = item.removesuffix("@blind"), item.endswith("@blind")
+        spec = method_spec(method, args.k)
         spec["adaptive"] = args.scheduler != "static"
         e = base.with_speculation(spec)
         e.scheduler = args.scheduler
         key = name if names.count(name) == 1 else item  # two of one method (old and new weights): by path
-        if name == "dspark":
-            new, mine = e.drafters.new, pairs.setdefault(key, [])
-            e.drafters.new = lambda params, n, _new=new, _p=mine: Recorder(_new(params, n), _p)  # type: ignore[method-assign]
+        if blind and "hybrid" in spec:
+            raise SystemExit(f"{item}: @blind is for a drafter alone, not a hybrid")
+        if "hybrid" not in spec:  # a hybrid stays itself: the engine gives it a second drafting stage
+            new, mine = e.drafters.new, pairs.setdefault(key, []) if args.scheduler == "static" else []
+            e.drafters.new = (  # type: ignore[method-assign]
+                lambda params, n, _new=new, _p=mine, _b=blind: Recorder(_new(params, n), _p, _b))
         engines[key] = e
         if args.scheduler != "static":
             _ = e.costs
@@ -139,13 +153,13 @@ def main() -> None:
     import torch
 
     summary = {}
-    for key, got in pairs.items():  # each DSpark drafter's own calibration
+    for key, got in pairs.items():  # each drafter's own calibration (those with confidences, static runs)
         if not got:
             continue
         probs, outcomes = torch.tensor([p for p, _ in got]), torch.tensor([o for _, o in got])
-        summary[key] = {"dspark_online_ece": float(ece(probs, outcomes)), "dspark_positions": len(got),
+        summary[key] = {"online_ece": float(ece(probs, outcomes)), "positions": len(got),
                         "mean_prediction": float(probs.mean()), "mean_survival": float(outcomes.mean())}
-        print(f"{key} online calibration: ECE {summary[key]['dspark_online_ece']:.3f} over {len(got)} verified "
+        print(f"{key} online calibration: ECE {summary[key]['online_ece']:.3f} over {len(got)} verified "
               f"positions (mean predicted survival {summary[key]['mean_prediction']:.3f}, observed "
               f"{summary[key]['mean_survival']:.3f})")
     for r in records:

@@ -456,3 +456,37 @@ def test_the_kernel_step_computes_the_heads_layer(setup):
         ref_logits = head.lm_head(F.rms_norm(want, (c.hidden_size,), head.norm, c.rms_norm_eps)).float()
         assert rel(kern.logits(out), ref_logits) < 5e-3, name
         assert torch.equal(head.logits(out), kern.logits(out)), "the rounded head's logits are the kernel's"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_confidences_are_the_drafted_tokens_probabilities_and_min_survival_cuts_the_chain(setup, temperature):
+    """Each position's confidence is the head's probability of the token it drafted (greedy: the softmax top-1 of
+    its logits, recomputed here from the logits the head produced; sampled: q of that token). With min_survival s
+    the drafter stops after the first token at which the running product falls below s: the same tokens, cut."""
+    llm = setup["llm"]
+    head = load(setup["root"] / "head", llm.model)
+    seq = load_all(setup["root"] / "data")[0]
+    j = 9
+    ctx, feats = seq.ids[: j + 2].tolist(), seq.features(head.feature_layers)[: j + 1]
+
+    def drafter():
+        d = Eagle3Drafter(head, SamplingParams(temperature=temperature, seed=3), max_len=64)
+        d.add_features(feats)
+        return d
+
+    seen: list[torch.Tensor] = []
+    orig = head.logits
+    head.logits = lambda h: (seen.append(orig(h)), seen[-1])[1]  # type: ignore[method-assign]
+    try:
+        full = drafter().propose(ctx, 6)
+    finally:
+        head.logits = orig  # type: ignore[method-assign]
+    assert len(full.tokens) == 6 and len(full.confidence) == 6
+    for i, t in enumerate(full.tokens):
+        want = F.softmax(seen[i][0].float(), -1).max() if temperature == 0 else full.probs[i, t]
+        assert full.confidence[i] == pytest.approx(float(want), rel=1e-5)
+    surv = torch.tensor(full.confidence).cumprod(0).tolist()
+    for s in (surv[0] / 2, (surv[1] + surv[2]) / 2, surv[-1] / 2, 1.01):
+        cut = drafter().propose(ctx, 6, min_survival=s)
+        n = next((i + 1 for i, v in enumerate(surv) if v < s), 6)
+        assert cut.tokens == full.tokens[:n] and cut.confidence == pytest.approx(full.confidence[:n])

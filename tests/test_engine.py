@@ -351,6 +351,33 @@ def test_draft_model_tree_is_eagle2_selection_over_hf_scored_paths(tiny, tmp_pat
     d.check_own_state(ctx)  # nothing drafted stayed in the draft cache
 
 
+def test_draft_model_confidences_are_hf_probabilities_and_min_survival_cuts_the_chain(tiny):
+    """A draft-model chain's confidences are HF's draft model probabilities of the drafted tokens (greedy: its
+    top-1 after context + the tokens before); with min_survival s the chain stops after the first token at which
+    their running product falls below s, and after the verdict the draft cache holds exactly the accepted prefix."""
+    from transformers import AutoModelForCausalLM
+
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.models.loader import load_model, resolve
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny["draft"][0], dtype=torch.float32).eval()
+    model, _ = load_model(resolve(tiny["draft"][0], progress=False), dtype="float32", device="cpu", progress=False)
+    ctx = PROMPTS[0][:9]
+    full = DraftModelDrafter(model, model.new_cache(32), SamplingParams(temperature=0)).propose(ctx, 5)
+    with torch.no_grad():
+        for i, t in enumerate(full.tokens):
+            p = torch.softmax(hf(torch.tensor([ctx + full.tokens[:i]])).logits[0, -1].float(), -1)
+            assert t == int(p.argmax()) and full.confidence[i] == pytest.approx(float(p.max()), rel=1e-4)
+    surv = torch.tensor(full.confidence).cumprod(0).tolist()
+    for s in ((surv[1] + surv[2]) / 2, 1.01):
+        d = DraftModelDrafter(model, model.new_cache(32), SamplingParams(temperature=0))
+        cut = d.propose(ctx, 5, min_survival=s)
+        n = next(i + 1 for i, v in enumerate(surv) if v < s)
+        assert cut.tokens == full.tokens[:n]
+        d.observe(n)  # all accepted: the cache keeps the fed drafts (the last one drafted was never fed)
+        d.check_own_state(ctx + cut.tokens)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_model_trees_in_the_engine(tiny, references, temperature):
     """Draft-model trees through the engine, state oracle on: greedy equals HF; sampled runs reproducibly."""

@@ -109,3 +109,35 @@ def test_cli_hybrid_flag_goes_into_the_speculative_config():
     assert _spec_config(args) == {"method": "dflash", "hybrid": "suffix", "num_speculative_tokens": 6}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--method", "dflash", "--hybrid", "eagle3"])
+
+
+class Stopper(Fake):
+    """A drafter that stops early: records the floor it is asked with."""
+
+    stops_early = True
+
+    def propose(self, context, k, min_survival=0.0):
+        self.calls.append(("propose", k, min_survival))
+        return Draft(self.tokens[:k], confidence=[0.5] * min(k, len(self.tokens)))
+
+
+def test_a_survival_floor_reaches_only_a_drafter_that_stops_early_on_either_side():
+    """LiveRequest.propose(k, floor) hands the floor to a drafter that stops early (alone, or as the hybrid side now
+    drafting, with that side's trait in force) and calls any other as propose(context, k)."""
+    alone = Stopper([4, 5, 6])
+    lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0)), alone, AcceptanceEstimator(), None, None,
+                     stops_early=True)
+    assert lv.propose(3, 0.25).tokens == [4, 5, 6] and lv.propose(2).tokens == [4, 5]
+    assert alone.calls == [("propose", 3, 0.25), ("propose", 2, 0.0)]
+    free, model = Fake([7, 8]), Stopper([9, 9])
+    h = HybridDrafter(free, model)
+    assert not h.stops_early  # the model-free side's trait; the model side's waits on its Side
+    lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0)), h, AcceptanceEstimator(), None, None,
+                     stops_early=h.stops_early, other=Side(AcceptanceEstimator(), stops_early=True))
+    lv.propose(2, 0.3)
+    lv.switch_side()
+    assert lv.stops_early
+    lv.propose(2, 0.3)
+    lv.model_free_side()
+    assert not lv.stops_early
+    assert free.calls == [("propose", 2)] and model.calls == [("propose", 2, 0.3)]

@@ -216,6 +216,31 @@ def test_greedy_drafts_equal_the_reference_argmax(target):
     assert draft.tokens == [int(w.argmax()) for w in want]
 
 
+def test_confidences_are_the_reference_probabilities_and_min_survival_cuts_the_chain(target):
+    """Greedy: each position's confidence is the reference's softmax top-1 (teacher-forced on the drafts); with
+    min_survival s the chain stops after the first token whose running product falls below s (same tokens), and
+    the MTP cache is back at the committed rows (the state oracle, after one draft accepted)."""
+    from verispec.drafters.features import target_features
+
+    tokens = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    d = _drafter(target, SamplingParams(temperature=0))
+    _feed(d, target["model"], tokens, 0)
+    full = d.propose(tokens, 4)
+    want = reference_steps(target["hf"], target["ref"], tokens, full.tokens)
+    for c, logits in zip(full.confidence, want):
+        assert c == pytest.approx(float(torch.softmax(logits.float(), -1).max()), abs=2e-5)
+    surv = torch.tensor(full.confidence).cumprod(0).tolist()
+    s = (surv[0] + surv[1]) / 2
+    d = _drafter(target, SamplingParams(temperature=0))
+    _feed(d, target["model"], tokens, 0)
+    assert d.propose(tokens, 4, min_survival=s).tokens == full.tokens[:2]
+    d.observe(1)
+    committed = tokens + [full.tokens[0]]
+    _feed(d, target["model"], committed + [full.tokens[1]], len(tokens) - 1)
+    ref, _ = target_features(target["model"], committed, d.feature_layers)
+    d.check_state(ref, committed)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_engine_output_equals_hf_with_state_oracle(target, temperature):
     """Greedy: the engine's output equals HF's. T = 1: every step passes the state oracle (target K/V and the MTP's

@@ -266,3 +266,30 @@ def test_a_block_drafter_is_charged_its_pass_on_the_first_position():
         assert policy.draft_lengths([block], 1) == [0]
         assert policy.draft_lengths([Candidate(7, poor, confidences=False)], 1) == [1]  # per token: one admitted
         assert policy.draft_lengths([Candidate(7, good, confidences=False, one_pass=True)], 1) == [7]
+
+
+def test_dspark_sets_a_survival_floor_where_one_more_drafted_token_stops_paying():
+    """A drafter that stops early (EAGLE-3) drafts until its confidences' product falls below a floor: the survival
+    at which a position returns what it costs at the plain rate. Closed form, margin 0.5, a step of 1 s over 1 token
+    and 1.7 s over 8 (0.1 s per draft row), drafting 0.2 s per token: 1 / 1 x (0.2 + 1.5 x 0.1) = 0.35. With 2 decode
+    rows (2 s over 2, 2.7 s over 9): 2 / 2 x (0.2 + 1.5 x 0.1) again; twice the drafting cost: 0.55. Candidates that
+    do not stop early get 0 (their lengths decide), as do other policies; such a candidate is charged per drafted
+    token, not its whole block (it stops where its block stops paying)."""
+    from verispec.engine.scheduler import drafting_costs
+
+    costs = StepCosts(CostTable((1, 8, 9), (1.0, 1.7, 1.8)))
+    est, dear = AcceptanceEstimator(), AcceptanceEstimator()
+    est.draft_cost_per_token, dear.draft_cost_per_token = 0.2, 0.4
+    early = Candidate(7, est, stops_early=True)
+    policy = DSparkPolicy(costs)
+    assert policy.survival_floors([early], 1) == pytest.approx([0.35])
+    assert policy.survival_floors([Candidate(7, dear, stops_early=True)], 1) == pytest.approx([0.55])
+    assert policy.survival_floors([Candidate(0, est, stops_early=True)], 1) == [0.0]
+    for other in (StaticPolicy(costs), GoodputPolicy(costs)):
+        assert other.survival_floors([early], 1) == [0.0]
+    assert drafting_costs(early, whole_blocks=True) == pytest.approx([0.2] * 7)
+    assert drafting_costs(Candidate(7, est), whole_blocks=True) == pytest.approx([1.4] + [0.0] * 6)
+    est2 = AcceptanceEstimator()
+    est2.draft_cost_per_token = 0.2
+    two = DSparkPolicy(StepCosts(CostTable((1, 2, 9), (1.0, 2.0, 2.7))))
+    assert two.survival_floors([Candidate(7, est2, stops_early=True), Candidate(7, est2)], 2) == pytest.approx([0.35, 0])

@@ -13,6 +13,9 @@ A drafter that never gives confidences says so with `gives_confidence = False` (
 `dspark` policy then drafts, from a request's first step on, only what the online estimate would verify.
 A drafter whose proposal is one pass whatever k (a block drafter) says so with `drafts_in_one_pass = True`
 (absent: False, its drafting time grows with k); the policies then charge its pass to the first drafted token.
+A drafter that drafts token by token with confidences and can stop itself says so with `stops_early = True`
+(absent: False); it then also takes propose(context, k, min_survival=s) and stops after the first token at which
+the product of its confidences falls below s (the `dspark` policy sets s where one more token stops paying).
 Drafters with state of their own (a draft model's KV cache) keep it consistent in observe(), and may offer
   check_own_state(tokens) -> state oracle (`--check-state`): tokens = the committed tokens; recompute the
                           drafter's own state from scratch and raise AssertionError (check.state.StateMismatch)
@@ -67,12 +70,22 @@ class Draft:
 EMPTY = Draft(tokens=[])
 
 
+def drafted_confidence(logits: torch.Tensor, index: int, q: torch.Tensor | None) -> float:
+    """A token-by-token drafter's confidence in the token it drafted (EAGLE-2's acceptance proxy): q of it where it
+    was sampled from q, else its softmax probability under `logits` ([V]; greedy drafts take the top-1)."""
+    if q is not None:
+        return float(q[index])
+    return float(torch.softmax(logits.float(), -1)[index])
+
+
 class Drafter(Protocol):
     name: str
     # optional: False where propose() never fills Draft.confidence (read with getattr(drafter, ..., True))
     gives_confidence: bool
     # optional: True where one propose() call costs one pass whatever k (read with getattr(drafter, ..., False))
     drafts_in_one_pass: bool
+    # optional: True where propose() also takes min_survival (read with getattr(drafter, ..., False))
+    stops_early: bool
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 

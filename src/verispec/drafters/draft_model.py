@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from verispec.check.state import StateMismatch, check_kv
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, drafted_confidence
 from verispec.drafters.tree_growth import Growth, frontier_width
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.llama import LlamaModel, Segment
@@ -43,9 +43,8 @@ def check_compatible(target: LlamaModel, draft: LlamaModel, target_tok=None, dra
 class DraftModelDrafter:
     """Per request. The draft cache always holds a prefix of the request's tokens: context[:n_cached]."""
 
-    gives_confidence = False  # q but no per-position confidences
-
     name = "draft_model"
+    stops_early = True  # confidences: its probability of each drafted token (drafters/base.py drafted_confidence)
 
     def __init__(self, model: LlamaModel, cache: KVCache, params: SamplingParams) -> None:
         self.model, self.cache, self.params = model, cache, params
@@ -63,7 +62,8 @@ class DraftModelDrafter:
         self.n_cached += len(tokens)
         return out.logits[0]
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, min_survival: float = 0.0) -> Draft:
+        """Up to k tokens; fewer where the product of the confidences so far falls below min_survival."""
         assert self.n_cached < len(context), "the draft cache is ahead of the request"
         room = self.cache.max_len - len(context) - 1
         k = min(k, room)
@@ -72,8 +72,9 @@ class DraftModelDrafter:
         logits = self._step(list(context[self.n_cached :]))
         self._ctx_len = len(context)
         tokens: list[int] = []
-        probs = []
+        probs, confs, survival = [], [], 1.0
         for i in range(k):
+            q = None
             if self.params.greedy:
                 t = argmax_rows(logits)[0]
             else:
@@ -81,10 +82,13 @@ class DraftModelDrafter:
                 t = sample_index(q, self.generator)
                 probs.append(q)
             tokens.append(t)
-            if i + 1 < k:
-                logits = self._step([t])
-        self._fed_drafts = k - 1
-        return Draft(tokens, torch.stack(probs) if probs else None)
+            confs.append(drafted_confidence(logits, t, q))
+            survival *= confs[-1]
+            if i + 1 == k or survival < min_survival:
+                break
+            logits = self._step([t])
+        self._fed_drafts = len(tokens) - 1
+        return Draft(tokens, torch.stack(probs) if probs else None, confs)
 
     @torch.inference_mode()
     def propose_tree(self, context: Sequence[int], budget: int, depth: int, width: int | None = None

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, drafted_confidence
 from verispec.drafters.features import own
 from verispec.drafters.tree_growth import Growth, frontier_width
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
@@ -219,7 +219,10 @@ class Eagle3Drafter:
     verification the accepted tokens are re-run with the target's real features (EAGLE's standard)."""
 
     name = "eagle3"
-    gives_confidence = False  # q but no per-position confidences
+    # each position's confidence is the head's probability of the token it drafted (greedy: its top-1 over the draft
+    # vocabulary; sampled: q of the sampled token), EAGLE-2's acceptance proxy; with min_survival it stops drafting
+    # where their product falls below it (drafting is one layer per token: tokens not drafted are not paid for)
+    stops_early = True
 
     def __init__(self, head: Eagle3Head, params: SamplingParams, max_len: int) -> None:
         c = head.cfg
@@ -270,13 +273,15 @@ class Eagle3Drafter:
         self.k[start : start + n], self.v[start : start + n] = k, v
         return self.head.post(feat, attend(q, self.k[: start + n], self.v[: start + n], blocked))
 
-    def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """[Vd] -> (target token id, q over the target vocabulary or None when greedy)."""
+    def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """[Vd] -> (target token id, q over the target vocabulary or None when greedy, the token's confidence)."""
         if self.params.greedy:
-            return int(self.head.to_target_ids(argmax_rows(draft_logits)[0])), None
+            j = argmax_rows(draft_logits)[0]
+            return int(self.head.to_target_ids(j)), None, drafted_confidence(draft_logits, j, None)
         p = self.params
         q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
-        return sample_index(q, self.generator), q
+        t = sample_index(q, self.generator)
+        return t, q, drafted_confidence(draft_logits, t, q)
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
         """Run the committed pairs (f_j, x_{j+1}) not yet run, j = n_kv .. n_feat-1; returns the head's output
@@ -289,7 +294,9 @@ class Eagle3Drafter:
         return h
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, min_survival: float = 0.0) -> Draft:
+        """Up to k tokens; fewer where the product of the confidences so far falls below min_survival (the token
+        at which it does is the last one drafted)."""
         assert self.n_feat == len(context) - 1, (
             f"EAGLE-3 holds features for {self.n_feat} positions but the context has {len(context)} tokens")
         k = min(k, self.k.shape[0] - len(context))
@@ -297,17 +304,20 @@ class Eagle3Drafter:
             return Draft([])
         dev = self.feats.device
         h = self._catch_up(context)  # [1, d] at position n_feat - 1
-        tokens, probs = [], []
+        tokens, probs, confs, survival = [], [], [], 1.0
         pos = self.n_feat - 1
         for i in range(k):
-            t, q = self._pick(self.head.logits(h)[0])
+            t, q, c = self._pick(self.head.logits(h)[0])
             tokens.append(t)
+            confs.append(c)
+            survival *= c
             if q is not None:
                 probs.append(q)
-            if i + 1 < k:  # own output becomes the next feature; scratch K/V past the committed ones
-                pos += 1
-                h = self._run(self.head.embed(torch.tensor([t], device=dev)), h, pos)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+            if i + 1 == k or survival < min_survival:
+                break
+            pos += 1  # own output becomes the next feature; scratch K/V past the committed ones
+            h = self._run(self.head.embed(torch.tensor([t], device=dev)), h, pos)
+        return Draft(tokens, torch.stack(probs) if probs else None, confs)
 
     @torch.inference_mode()
     def propose_tree(self, context: Sequence[int], budget: int, depth: int, width: int | None = None

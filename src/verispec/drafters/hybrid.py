@@ -37,14 +37,16 @@ class HybridDrafter:
         # the model-free side's traits; the engine keeps the model side's with that side's estimate
         self.gives_confidence = getattr(free, "gives_confidence", True)
         self.drafts_in_one_pass = getattr(free, "drafts_in_one_pass", False)
+        self.stops_early = getattr(free, "stops_early", False)  # propose passes min_survival to a side that takes it
         self.last: Drafter | None = None  # the side whose draft the next verdict is about
         self.proposals = {"free": 0, "model": 0}  # drafts with tokens each side gave (for reports)
         if getattr(model, "check_own_state", None) is not None:
             self.check_own_state = model.check_own_state  # type: ignore[attr-defined]
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, min_survival: float = 0.0) -> Draft:
         side = self.model if self.use_model else self.free
-        d = side.propose(context, k)
+        stops = min_survival > 0 and getattr(side, "stops_early", False)
+        d = side.propose(context, k, min_survival=min_survival) if stops else side.propose(context, k)
         if d.tokens:
             self.last = side
             self.proposals["model" if self.use_model else "free"] += 1

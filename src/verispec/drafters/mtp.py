@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, drafted_confidence
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.models.hf_weights import load_layer
 from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, rms_norm
@@ -177,9 +177,8 @@ class MTPDrafter:
     """Per request. State: the MTP K/V of every committed position whose pair token is known (rows 0 .. n_kv-1 in
     its cache slot), and the target states of the committed positions not yet run (`waiting`)."""
 
-    gives_confidence = False  # q but no per-position confidences
-
     name = "mtp"
+    stops_early = True  # confidences: its probability of each drafted token (drafters/base.py drafted_confidence)
 
     def __init__(self, head: MTPHead, cache: KVCache, params: SamplingParams) -> None:
         self.head, self.cache, self.params = head, cache, params
@@ -222,30 +221,34 @@ class MTPDrafter:
         return sample_index(q, self.generator), q
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, min_survival: float = 0.0) -> Draft:
+        """Up to k tokens; fewer where the product of the confidences so far falls below min_survival."""
         assert self.n_feat == len(context) - 1, (
             f"MTP holds target states for {self.n_feat} positions but the context has {len(context)} tokens")
         k = min(k, self.cache.max_len - len(context))
         if k <= 0 or self.n_feat == 0:
             return Draft([])
         state, logits = self.head.outputs(self._catch_up(context))
-        committed, tokens, probs = self.n_kv, [], []
+        committed, tokens, probs, confs, survival = self.n_kv, [], [], [], 1.0
         try:
             for s in range(k):
                 t, q = self._pick(logits[0])
                 tokens.append(t)
+                confs.append(drafted_confidence(logits[0], t, q))
+                survival *= confs[-1]
                 if q is not None:
                     probs.append(q)
-                if s + 1 < k:  # the next row: (this step's state, its drafted token), a scratch row
-                    pos = self.n_kv
-                    x = self.head.combine(self.head.embed(torch.tensor([t], device=state.device)), state,
-                                          torch.tensor([pos], device=state.device))
-                    o = self.head.run(x, self.cache, Segment(self.slot, pos, 1))
-                    self.cache.commit(self.slot, 1)
-                    state, logits = self.head.outputs(o)
+                if s + 1 == k or survival < min_survival:
+                    break
+                pos = self.n_kv  # the next row: (this step's state, its drafted token), a scratch row
+                x = self.head.combine(self.head.embed(torch.tensor([t], device=state.device)), state,
+                                      torch.tensor([pos], device=state.device))
+                o = self.head.run(x, self.cache, Segment(self.slot, pos, 1))
+                self.cache.commit(self.slot, 1)
+                state, logits = self.head.outputs(o)
         finally:
             self.cache.rollback(self.slot, committed)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, confs)
 
     def observe(self, accepted: int) -> None:
         """Nothing to undo: drafted rows were rolled back in propose; accepted ones return as target states."""

@@ -214,9 +214,10 @@ class Engine:
         if self.config.draft_tree == "auto":
             for lv, k in zip(spec, limits):
                 lv.choose_shape(k, self.policy.step_seconds(base_tokens + k, base_tokens))
-        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass)
-                 for lv, k in zip(spec, limits)]
-        proposals = [lv.propose(k) for lv, k in zip(spec, self.policy.draft_lengths(cands, base_tokens))]
+        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass,
+                           lv.stops_early and not lv.tree_now) for lv, k in zip(spec, limits)]
+        lengths, floors = self.policy.draft_lengths(cands, base_tokens), self.policy.survival_floors(cands, base_tokens)
+        proposals = [lv.propose(k, f) for lv, k, f in zip(spec, lengths, floors)]
         if not any(d.tokens for d in proposals):  # speculation off this step: nothing for the policy to cut
             return budget
         keep = self.policy.verify_lengths(cands, proposals, base_tokens)
@@ -390,6 +391,7 @@ class Engine:
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
                                confidences=getattr(drafter, "gives_confidence", True),
                                one_pass=getattr(drafter, "drafts_in_one_pass", False),
+                               stops_early=getattr(drafter, "stops_early", False),
                                other=model_side(drafter, self._model_timing, self.config.probe_share))
             req.spec.hybrid = live.other is not None
             req.stats.queue_s = time.perf_counter() - req.start_time

@@ -40,6 +40,7 @@ class Side:
     probe: bool = False
     confidences: bool = True
     one_pass: bool = False
+    stops_early: bool = False
 
 
 def model_side(drafter: "Drafter | None", timing: DraftTiming, probe_share: float) -> Side | None:
@@ -49,7 +50,8 @@ def model_side(drafter: "Drafter | None", timing: DraftTiming, probe_share: floa
         return None
     est = AcceptanceEstimator(timing=timing.copy(), probe_share=probe_share)
     return Side(est, confidences=getattr(drafter.model, "gives_confidence", True),
-                one_pass=getattr(drafter.model, "drafts_in_one_pass", False))
+                one_pass=getattr(drafter.model, "drafts_in_one_pass", False),
+                stops_early=getattr(drafter.model, "stops_early", False))
 
 
 @dataclass
@@ -65,6 +67,7 @@ class LiveRequest:
     confidences: bool = True  # its drafter may give per-position confidences (False: it says it never does, or a
     # draft came without)
     one_pass: bool = False  # its drafter drafts any number of tokens in one pass (`drafts_in_one_pass`)
+    stops_early: bool = False  # its drafter stops where its confidences' product falls below a floor (`stops_early`)
     aborted: bool = False
     # this step's speculation, reset by `clear_draft` at the start of every step
     draft: Draft = EMPTY  # the part of the proposal that goes into the forward
@@ -108,8 +111,9 @@ class LiveRequest:
             best, self.shape_steps = not best, 0
         self.tree_now = best
 
-    def propose(self, k: int) -> Draft:
+    def propose(self, k: int, floor: float = 0.0) -> Draft:
         """Ask the request's drafter for up to k tokens (a tree in tree steps), timing it; the proposal is cut to k.
+        floor: the survival below which a drafter that `stops_early` stops (0: it drafts k).
         A drafter that raises is dropped (`drop_drafter`) and EMPTY returned; a broken invariant propagates."""
         if k <= 0:
             return EMPTY
@@ -118,6 +122,8 @@ class LiveRequest:
             if self.tree_now and hasattr(self.drafter, "propose_tree"):
                 tree = self.drafter.propose_tree(self.req.all_ids, k, k)  # type: ignore[union-attr]
                 d = Draft(list(tree.tokens), parents=tree.parents)
+            elif floor > 0 and self.stops_early:
+                d = self.drafter.propose(self.req.all_ids, k, min_survival=floor)  # type: ignore[call-arg]
             else:
                 d = self.drafter.propose(self.req.all_ids, k)  # type: ignore[union-attr]
         except AssertionError:  # a broken invariant: the engine's state is suspect
@@ -150,9 +156,10 @@ class LiveRequest:
         """A hybrid drafter's other side drafts from now on (this step's model-free draft, cut to nothing, is
         forgotten): its estimate, probes and traits swap with the ones in use, and the drafter proposes from it."""
         assert self.other is not None, "only a hybrid drafter has two sides"
-        mine = Side(self.estimator, self.probe, self.confidences, self.one_pass)
+        mine = Side(self.estimator, self.probe, self.confidences, self.one_pass, self.stops_early)
         o = self.other
         self.estimator, self.probe, self.confidences, self.one_pass = o.estimator, o.probe, o.confidences, o.one_pass
+        self.stops_early = o.stops_early
         self.other, self.on_model = mine, not self.on_model
         if self.drafter is not None:
             self.drafter.use_model = self.on_model  # type: ignore[attr-defined]

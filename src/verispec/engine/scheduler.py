@@ -34,6 +34,7 @@ class Candidate:
     probe: bool = False  # the estimator asks for a short probe this step
     confidences: bool = True  # its drafter may give per-position confidences (False once a draft came without)
     one_pass: bool = False  # its drafter drafts any number of tokens in one pass (a block drafter: DFlash, DSpark)
+    stops_early: bool = False  # its drafter drafts token by token and stops below a survival floor (EAGLE-3)
 
 
 class Proposal(Protocol):
@@ -50,6 +51,10 @@ class Policy(Protocol):
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
         """Tokens to ask each candidate's drafter for, before drafting."""
+        ...
+
+    def survival_floors(self, cands: Sequence[Candidate], base_tokens: int) -> list[float]:
+        """Per candidate, the survival below which a drafter that stops early stops drafting (0: draft the length)."""
         ...
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
@@ -117,9 +122,10 @@ def drafting_costs(c: Candidate, whole_blocks: bool) -> list[float]:
     pass (a block drafter: its measured seconds per proposal) and, with `whole_blocks`, a drafter with confidences
     (it drafts its whole block once any of it is admitted; the confidences then decide what is verified: what a
     proposal of `limit` tokens costs) cost that block on the first admitted position and nothing after; any other
-    drafter drafts what is admitted: position j adds cost(j) - cost(j - 1) (its per-call time on the first)."""
+    drafter drafts what is admitted, or stops itself (`stops_early`): position j adds cost(j) - cost(j - 1) (its
+    per-call time on the first)."""
     est = c.estimator
-    if c.limit and (c.one_pass or (whole_blocks and c.confidences)):
+    if c.limit and (c.one_pass or (whole_blocks and c.confidences and not c.stops_early)):
         block = est.draft_cost_per_proposal if c.one_pass else est.draft_cost(c.limit)
         return [block] + [0.0] * (c.limit - 1)
     per_call, per_token = est.timing.line()  # cost(j) = per_call + per_token x j, fitted once for all positions
@@ -155,6 +161,9 @@ class _CostAware:
 
     def step_seconds(self, tokens: int, segments: int) -> float:
         return self.costs(tokens, segments)
+
+    def survival_floors(self, cands: Sequence[Candidate], base_tokens: int) -> list[float]:
+        return [0.0] * len(cands)  # drafters draft the lengths asked for
 
     def nothing_pays(self, cands: Sequence[Candidate], base_tokens: int) -> bool:
         """True where no block of up to the largest limit would pay even if it were sure to survive: each of its
@@ -249,6 +258,23 @@ class DSparkPolicy(_CostAware):
         admitted = admit_prefixes(survivals, self.costs, base_tokens, extra, stop_at_first_drop=self.first_drop,
                                   margin=self.margin)
         return [c.limit if d or (n and c.confidences) else n for c, d, n in zip(cands, drafts, admitted)]
+
+    def survival_floors(self, cands: Sequence[Candidate], base_tokens: int) -> list[float]:
+        """For a drafter that stops early: the survival at which one more drafted position stops paying for itself
+        at the step's plain rate Theta_0 = B / T(B) (committed tokens per second): s >= Theta_0 x (its drafting
+        time per token + (1 + margin) x the verification time a draft row adds, averaged over the limit). A
+        position whose survival is below that lowers Theta below speculation off's; Theta_0 is Theta's floor, so
+        this drafts at least what the verify-time admission (`verify_lengths`, on the confidences) can take."""
+        B = max(base_tokens, len(cands))
+        base = self.costs(B, B)
+        floors = []
+        for c in cands:
+            if not (c.stops_early and c.limit):
+                floors.append(0.0)
+                continue
+            per_row = (self.costs(B + c.limit, B) - base) / c.limit
+            floors.append(B / base * (c.estimator.timing.line()[1] + (1 + self.margin) * per_row))
+        return floors
 
     def verify_lengths(self, cands: Sequence[Candidate], drafts: Sequence[Proposal], base_tokens: int) -> list[int]:
         survivals = []
