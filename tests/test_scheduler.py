@@ -293,3 +293,26 @@ def test_dspark_sets_a_survival_floor_where_one_more_drafted_token_stops_paying(
     est2.draft_cost_per_token = 0.2
     two = DSparkPolicy(StepCosts(CostTable((1, 2, 9), (1.0, 2.0, 2.7))))
     assert two.survival_floors([Candidate(7, est2, stops_early=True), Candidate(7, est2)], 2) == pytest.approx([0.35, 0])
+
+
+def test_dspark_lets_drafters_that_stop_early_draft_while_their_first_tokens_are_cheap():
+    """A drafter that stops early drafts every step (its limit, cut by its floor) while the first tokens of all such
+    candidates cost at most EARLY_STOP_SHARE of the step, whatever the estimate says; above that share the estimate
+    decides as for any drafter charged per token. Closed form, a 1-second step over 1 token (1.2 s over 8), margin
+    0.5, estimate 0.1 per position: admitting the first position costs 1.5 x 0.2 / 7 s of verification plus its
+    drafting, for 0.1 tokens against 1 plain token per second: never admitted. Two requests at 0.12 s each (0.24
+    of the 1-second step for 2 rows) exceed the share together though each alone is under it."""
+    from verispec.engine.scheduler import EARLY_STOP_SHARE
+
+    costs = StepCosts(CostTable((1, 2, 8, 16), (1.0, 1.0, 1.2, 1.4)))
+    policy = DSparkPolicy(costs)
+    cheap, dear = AcceptanceEstimator(prior=0.1), AcceptanceEstimator(prior=0.1)
+    cheap.draft_cost_per_token = 0.9 * EARLY_STOP_SHARE
+    dear.draft_cost_per_token = 1.1 * EARLY_STOP_SHARE
+    assert policy.draft_lengths([Candidate(7, cheap, stops_early=True)], 1) == [7]
+    assert policy.draft_lengths([Candidate(7, dear, stops_early=True)], 1) == [0]
+    assert policy.draft_lengths([Candidate(7, cheap)], 1) == [0]  # a drafter that does not stop early: the estimate
+    pair = AcceptanceEstimator(prior=0.1)
+    pair.draft_cost_per_token = 0.12
+    assert policy.draft_lengths([Candidate(7, pair, stops_early=True)] * 2, 2) == [0, 0]
+    assert policy.draft_lengths([Candidate(7, pair, stops_early=True)], 1) == [7]
