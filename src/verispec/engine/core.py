@@ -28,7 +28,7 @@ from verispec.engine.admission import admission_blocks, fits_alone, prefix_pendi
 from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.draft_timing import DraftTiming
-from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, model_side, plan_step
+from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, drafter_traits, model_side, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
 from verispec.execution.hidden_states import check_layers, record_hidden_states, record_layers
@@ -389,9 +389,7 @@ class Engine:
             gen = None if p.greedy else p.make_generator(self.model.device)
             est = AcceptanceEstimator(timing=self._draft_timing.copy(), probe_share=self.config.probe_share)
             live = LiveRequest(req, drafter, est, gen, cb, tree_now=self.config.draft_tree is True,
-                               confidences=getattr(drafter, "gives_confidence", True),
-                               one_pass=getattr(drafter, "drafts_in_one_pass", False),
-                               stops_early=getattr(drafter, "stops_early", False),
+                               **drafter_traits(drafter),
                                other=model_side(drafter, self._model_timing, self.config.probe_share))
             req.spec.hybrid = live.other is not None
             req.stats.queue_s = time.perf_counter() - req.start_time

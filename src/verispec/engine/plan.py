@@ -43,15 +43,21 @@ class Side:
     stops_early: bool = False
 
 
+def drafter_traits(drafter: "Drafter | None") -> dict[str, bool]:
+    """What the policies read of a drafter (drafters/base.py), as `Side` / `LiveRequest` fields: whether it may give
+    confidences, drafts in one pass, stops early."""
+    return {"confidences": getattr(drafter, "gives_confidence", True),
+            "one_pass": getattr(drafter, "drafts_in_one_pass", False),
+            "stops_early": getattr(drafter, "stops_early", False)}
+
+
 def model_side(drafter: "Drafter | None", timing: DraftTiming, probe_share: float) -> Side | None:
     """A hybrid drafter's model side: its own estimate, seeded with `timing`, the last finished request's model
     drafting time (the model-free side's would price a model's pass as microseconds); None for other drafters."""
     if not isinstance(drafter, HybridDrafter):
         return None
     est = AcceptanceEstimator(timing=timing.copy(), probe_share=probe_share)
-    return Side(est, confidences=getattr(drafter.model, "gives_confidence", True),
-                one_pass=getattr(drafter.model, "drafts_in_one_pass", False),
-                stops_early=getattr(drafter.model, "stops_early", False))
+    return Side(est, **drafter_traits(drafter.model))
 
 
 @dataclass
