@@ -223,8 +223,8 @@ class GoodputPolicy(_CostAware):
 # a draft block costing at most this share of the step is drafted whatever the estimate (10%: a suffix proposal,
 # 0.06-0.3 ms against 4.5 ms steps, fell on both sides of 5%, and at 5% suffix was 0-4% slower on every workload)
 FREE_DRAFT_SHARE = 0.10
-# drafters that stop early draft every step while the first tokens of all of them together cost at most this share
-# of the step (the floor ends each chain where it stops paying, so a first token is the most a step can waste).
+# drafters that stop early draft every step while the first tokens of all of them together (at their per-token
+# time) cost at most this share of the step (the floor ends each chain where it stops paying, so a first token is the most a step can waste).
 # Replayed on EAGLE-3's drafts of the five workloads with the measured step costs: drafting every step beat the
 # online estimate's gate while a first token cost under 20-30% of a step (EAGLE-3: 12%), on chat under about 20%
 EARLY_STOP_SHARE = 0.20
@@ -261,7 +261,9 @@ class DSparkPolicy(_CostAware):
         step = self.costs(base_tokens, base_tokens)
         blocks = [sum(e) for c, e in zip(cands, extra) if c.confidences and c.limit and not c.stops_early]  # seconds
         free = sum(blocks) <= FREE_DRAFT_SHARE * step
-        early = sum(e[0] for c, e in zip(cands, extra) if c.stops_early and c.limit) <= EARLY_STOP_SHARE * step
+        # a first token at the drafter's per-token time: its per-call time is mostly catching up on the positions
+        # committed since its last proposal, work that skipping a step defers rather than saves
+        early = sum(c.estimator.timing.line()[1] for c in cands if c.stops_early and c.limit) <= EARLY_STOP_SHARE * step
         drafts = [c.confidences and (not c.estimator.draft_cost_per_token or (early if c.stops_early else free))
                   for c in cands]  # whole blocks (a drafter that stops early: up to its floor)
         if all(d or not c.limit for d, c in zip(drafts, cands)):  # the admission could change nothing
