@@ -300,8 +300,8 @@ def test_dspark_lets_drafters_that_stop_early_draft_while_their_first_tokens_are
     candidates cost at most EARLY_STOP_SHARE of the step, whatever the estimate says; above that share the estimate
     decides as for any drafter charged per token. Closed form, a 1-second step over 1 token (1.2 s over 8), margin
     0.5, estimate 0.1 per position: admitting the first position costs 1.5 x 0.2 / 7 s of verification plus its
-    drafting, for 0.1 tokens against 1 plain token per second: never admitted. Two requests at 0.12 s each (0.24
-    of the 1-second step for 2 rows) exceed the share together though each alone is under it."""
+    drafting, for 0.1 tokens against 1 plain token per second: never admitted. Two requests at 0.6 x the share each
+    exceed the share together though each alone is under it."""
     from verispec.engine.scheduler import EARLY_STOP_SHARE
 
     costs = StepCosts(CostTable((1, 2, 8, 16), (1.0, 1.0, 1.2, 1.4)))
@@ -313,6 +313,6 @@ def test_dspark_lets_drafters_that_stop_early_draft_while_their_first_tokens_are
     assert policy.draft_lengths([Candidate(7, dear, stops_early=True)], 1) == [0]
     assert policy.draft_lengths([Candidate(7, cheap)], 1) == [0]  # a drafter that does not stop early: the estimate
     pair = AcceptanceEstimator(prior=0.1)
-    pair.draft_cost_per_token = 0.12
+    pair.draft_cost_per_token = 0.6 * EARLY_STOP_SHARE
     assert policy.draft_lengths([Candidate(7, pair, stops_early=True)] * 2, 2) == [0, 0]
     assert policy.draft_lengths([Candidate(7, pair, stops_early=True)], 1) == [7]
