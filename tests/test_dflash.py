@@ -850,48 +850,45 @@ def test_a_draft_vocabulary_limits_the_drafts_and_stays_lossless(trained, tiny, 
         main(["train", "draft-vocab", str(tmp_path), "--data", str(data_dir)])
 
 
+def _train(data_dir, method, out, *extra) -> dict:
+    """`verispec train dflash|dspark --quick --out OUT ...` on the test data, in process (DSpark with a Markov rank
+    of 8)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    tr.add_args(p, method)
+    rank = ["--markov-rank", "8"] if method == "dspark" else []
+    args = ["--data", str(data_dir), "--device", "cpu", "--quick", "--out", str(out), *rank, *map(str, extra)]
+    return tr.run(p.parse_args(args), method)
+
+
 def test_init_continues_from_a_trained_drafter_and_refuses_another_shape(tiny, data_dir, tmp_path):
     """--init: the run starts where the given drafter ended (its held-out metrics before the first update are the
     trained drafter's after its last), keeps its shape, and refuses another method or block size."""
-    import argparse
     from dataclasses import replace
 
-    def run(method, *extra):
-        p = argparse.ArgumentParser()
-        tr.add_args(p, method)
-        rank = ["--markov-rank", "8"] if method == "dspark" else []
-        return tr.run(p.parse_args(["--data", str(data_dir), "--device", "cpu", "--quick", *rank, *extra]), method)
-
-    first = run("dspark", "--out", str(tmp_path / "a"), "--steps", "6", "--block-size", "4")
-    more = run("dspark", "--out", str(tmp_path / "b"), "--steps", "2", "--block-size", "4", "--init", str(tmp_path / "a"))
+    first = _train(data_dir, "dspark", tmp_path / "a", "--steps", "6", "--block-size", "4")
+    more = _train(data_dir, "dspark", tmp_path / "b", "--steps", "2", "--block-size", "4", "--init", tmp_path / "a")
     want, got = first["heldout"][-1], more["heldout"][0]
     assert got["step"] == 0 and all(abs(got[k] - want[k]) < 1e-5 for k in want if k != "step"), (got, want)
     shape = lambda c: replace(c, confidence_temperatures=())  # noqa: E731 (calibrated again after the run)
     assert shape(load(tmp_path / "b", tiny[2]).cfg) == shape(load(tmp_path / "a", tiny[2]).cfg)
     with pytest.raises(ValueError, match="dspark True"):
-        run("dflash", "--out", str(tmp_path / "c"), "--steps", "1", "--block-size", "4", "--init", str(tmp_path / "a"))
+        _train(data_dir, "dflash", tmp_path / "c", "--steps", "1", "--block-size", "4", "--init", tmp_path / "a")
     with pytest.raises(ValueError, match="block_size 4"):
-        run("dspark", "--out", str(tmp_path / "d"), "--steps", "1", "--block-size", "8", "--init", str(tmp_path / "a"))
+        _train(data_dir, "dspark", tmp_path / "d", "--steps", "1", "--block-size", "8", "--init", tmp_path / "a")
 
 
 def test_dspark_init_from_a_dflash_drafter_starts_as_that_drafter(tiny, data_dir, tmp_path):
     """`train dspark --init DFLASH`: the backbone is the DFlash drafter's and the Markov head starts at B = 0, so
     before the first update its held-out accuracy and tau are the DFlash run's after its last (computed there by the
     DFlash loss, here through the Markov correction); its drafts are those of the DFlash drafter."""
-    import argparse
-
-    def run(method, *extra):
-        p = argparse.ArgumentParser()
-        tr.add_args(p, method)
-        rank = ["--markov-rank", "8"] if method == "dspark" else []
-        return tr.run(p.parse_args(["--data", str(data_dir), "--device", "cpu", "--quick", *rank, *extra]), method)
-
-    first = run("dflash", "--out", str(tmp_path / "a"), "--steps", "6", "--block-size", "4")
-    more = run("dspark", "--out", str(tmp_path / "b"), "--steps", "2", "--block-size", "4", "--init", str(tmp_path / "a"))
+    first = _train(data_dir, "dflash", tmp_path / "a", "--steps", "6", "--block-size", "4")
+    more = _train(data_dir, "dspark", tmp_path / "b", "--steps", "2", "--block-size", "4", "--init", tmp_path / "a")
     want, got = first["heldout"][-1], more["heldout"][0]
     assert got["step"] == 0 and all(abs(got[k] - want[k]) < 1e-5 for k in ("acc", "tau")), (got, want)
     assert more["heldout"][-1]["step"] > 0 and "bce" in got
     a, b = load(tmp_path / "a", tiny[2]), load(tmp_path / "b", tiny[2])
     assert b.cfg.dspark and b.cfg.markov_rank == 8 and b.cfg.block_size == a.cfg.block_size
     with pytest.raises(ValueError, match="block_size 4"):
-        run("dspark", "--out", str(tmp_path / "c"), "--steps", "1", "--block-size", "8", "--init", str(tmp_path / "a"))
+        _train(data_dir, "dspark", tmp_path / "c", "--steps", "1", "--block-size", "8", "--init", tmp_path / "a")
