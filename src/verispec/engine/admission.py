@@ -6,6 +6,8 @@ both fit in the free blocks (cached prefix blocks count as free: they are evicte
 step preempts the newest running request while the running ones' next step does not fit. A preempted request
 frees its blocks and drafter and goes back to the front of the queue; readmitted, it recomputes its prompt and
 output so far (through the prefix cache where its prompt blocks are still cached) and goes on where it stopped.
+A request that could never run (longer than the context, or than the whole pool) is refused when added
+(`check_room`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,24 @@ def admission_blocks(req: Request, cache: PagedKVCache, hits: Sequence[int], k: 
     return own + sum(cache.pool.ref[b] == 0 for b in hits)
 
 
-def fits_alone(req: Request, cache: PagedKVCache) -> bool:
-    """Whether the request could ever run: its longest sequence in an otherwise empty pool."""
-    return -(-min(len(req.prompt_ids) + req.params.max_tokens, cache.max_len) // cache.block_size) \
-        <= cache.pool.num_blocks
+class RequestTooLong(ValueError):
+    """prompt + max_tokens can never fit in the context."""
+
+
+def check_room(req: Request, cache: PagedKVCache) -> None:
+    """Raise RequestTooLong where the request could never run: longer than the context, or its longest sequence
+    needs more blocks than an otherwise empty pool has."""
+    total = len(req.prompt_ids) + req.params.max_tokens
+    if total > cache.max_len:
+        raise RequestTooLong(
+            f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} exceeds "
+            f"the context of {cache.max_len} tokens; shorten the prompt or lower max_tokens"
+        )
+    if -(-total // cache.block_size) > cache.pool.num_blocks:
+        raise RequestTooLong(
+            f"prompt + max_tokens = {total} tokens need more KV blocks than the cache's "
+            f"{cache.pool.num_blocks} of {cache.block_size}; raise kv_cache_memory_bytes or lower max_tokens"
+        )
 
 
 def prefix_pending(prompt: list[int], running: Sequence[LiveRequest], hit_blocks: int, block_size: int) -> bool:

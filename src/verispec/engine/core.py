@@ -24,7 +24,7 @@ from typing import Callable
 
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
-from verispec.engine.admission import admission_blocks, fits_alone, prefix_pending, step_blocks
+from verispec.engine.admission import RequestTooLong, admission_blocks, check_room, prefix_pending, step_blocks
 from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine.draft_timing import DraftTiming
@@ -46,10 +46,6 @@ __all__ = ["Engine", "EngineConfig", "RequestTooLong", "SpecCounters", "TokenCal
 log = logging.getLogger(__name__)
 
 StateCheck = Callable[[Request, "Drafter | None"], None]
-
-
-class RequestTooLong(ValueError):
-    """prompt + max_tokens can never fit in the context."""
 
 
 @dataclass(frozen=True)
@@ -106,18 +102,7 @@ class Engine:
             raise ValueError("stop strings need the model's tokenizer to decode the output, and this engine has none "
                              "(a checkpoint without tokenizer files); use stop_token_ids instead")
         check_layers(req, self.model.cfg.num_layers)
-        total = len(req.prompt_ids) + req.params.max_tokens
-        if total > self.cache.max_len:
-            raise RequestTooLong(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} exceeds "
-                f"the context of {self.cache.max_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        if not fits_alone(req, self.cache):
-            raise RequestTooLong(
-                f"prompt + max_tokens = {total} tokens need more KV blocks than the cache's "
-                f"{self.cache.pool.num_blocks} of {self.cache.block_size}; raise kv_cache_memory_bytes or lower "
-                "max_tokens"
-            )
+        check_room(req, self.cache)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request with reason "abort"; its slot is freed at the next step. False if unknown."""

@@ -224,7 +224,8 @@ class GoodputPolicy(_CostAware):
 # 0.06-0.3 ms against 4.5 ms steps, fell on both sides of 5%, and at 5% suffix was 0-4% slower on every workload)
 FREE_DRAFT_SHARE = 0.10
 # drafters that stop early draft every step while the first tokens of all of them together (at their per-token
-# time) cost at most this share of the step (the floor ends each chain where it stops paying, so a first token is the most a step can waste).
+# time) cost at most this share of the step (the floor ends each chain where it stops paying, so a first token is
+# the most a step can waste).
 # Replayed on EAGLE-3's drafts of the five workloads with the measured step costs: drafting every step beat the
 # online estimate's gate while a first token cost under 20-30% of a step, on chat under about 20%. EAGLE-3's per-token
 # time measured 0.37-0.94 ms against 3.8-4.5 ms steps (the upper end where every proposal was one token long, so the
