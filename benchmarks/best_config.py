@@ -13,9 +13,10 @@ of one stream, prefill included (`pooled` per repeat: all tokens / all seconds o
 divided by plain's; `decode only` leaves each request's prefill out); baseline: plain decoding on the same
 prompts in the same repeat.
 
-`--learned` adds the shipped learned drafters (EAGLE-3, DFlash, DSpark; K up to 4 under dspark) for the issue's
-other two bars (none below x0.95 of plain on chat, EAGLE-3 at least x1.2 on code), and EAGLE-3 attached but never
-asked to draft: what keeping a learned drafter beside the target costs when the policy turns it off.
+`--learned` adds the shipped learned drafters (EAGLE-3, DFlash, DSpark; K up to 4 under dspark, and EAGLE-3 with K
+up to 7) for the issue's other two bars (none below x0.95 of plain on chat, EAGLE-3 at least x1.2 on code), and
+EAGLE-3 attached but never asked to draft: what keeping a learned drafter beside the target costs when the policy
+turns it off.
 
 `--hybrid` runs EAGLE-3 and DFlash each behind n-gram and behind suffix drafting (`"hybrid"`), beside n-gram and
 suffix alone, all under dspark.
@@ -42,6 +43,7 @@ from verispec.bench.single import method_spec
 STRUCTURED = "json_records,templates,markdown"
 LEARNED = ("eagle3", "dflash", "dspark")
 LEARNED_K = 4  # most draft tokens per step for the learned drafters (their speed's best in earlier runs)
+LEARNED_K_LONG = 7  # and for one more EAGLE-3 arm
 
 
 def model_free_arms(base: LLM, k: int) -> dict[str, LLM]:
@@ -60,6 +62,9 @@ def learned_arms(base: LLM, k: int, probe_shares: tuple[float, ...] = ()) -> dic
         for share in probe_shares:  # the same drafter, its probes priced at another share of the plain steps
             arm = out[f"{method}, probe share {share:g}"] = base.with_speculation(method_spec(method, LEARNED_K))
             arm.engine.config = dataclasses.replace(arm.engine.config, probe_share=share)
+    # EAGLE-3 stops its own drafts where its confidence falls (stops_early): a longer K costs it only where the
+    # drafts run on
+    out[f"eagle3, K={LEARNED_K_LONG}"] = base.with_speculation(method_spec("eagle3", LEARNED_K_LONG))
     never = base.with_speculation(method_spec("eagle3", LEARNED_K))
     never.engine.policy.draft_lengths = lambda cands, base_tokens: [0] * len(cands)
     out["eagle3, never drafts"] = never

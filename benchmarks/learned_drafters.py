@@ -11,6 +11,11 @@ pays only when tau exceeds (draft + target forward per step) / plain's forward p
     python benchmarks/learned_drafters.py --drafters eagle3:DIR,dflash:DIR,dspark:DIR --dtype bfloat16 --limit 3
     python benchmarks/learned_drafters.py --drafters suffix,eagle3,suffix+eagle3 --k 7   # a hybrid beside its sides
     python benchmarks/learned_drafters.py --drafters eagle3,eagle3@blind --scheduler dspark   # confidences withheld
+    python benchmarks/learned_drafters.py --drafters eagle3@q8_0,eagle3@q4_1,eagle3@q4_0 --scheduler dspark
+
+A drafter named with `@q8_0`, `@q4_1` or `@q4_0` has its linears rounded to that GGUF block format beside a
+gguf-q8act target (speculative_config "quantization"; without one, the default): formats side by side, e.g.
+`--drafters eagle3@q8_0,eagle3@q4_0`.
 
 A drafter named with `@blind` has its confidences withheld (its drafts carry none and it does not stop early), as
 EAGLE-3, draft models and MTP layers drafted before they gave confidences: the policy then works from its online
@@ -27,6 +32,7 @@ import sys
 from collections import defaultdict
 
 from verispec import LLM, SamplingParams
+from verispec.config import DRAFT_QUANTIZATIONS
 from verispec.bench.load import MachineLoad
 from verispec.bench.single import method_spec
 from verispec.bench.workloads import WORKLOADS, load_workload
@@ -91,8 +97,13 @@ def main() -> None:
     items = args.drafters.split(",")
     names = [i.split(":", 1)[0] for i in items]
     for item, name in zip(items, names):
-        method, blind = item.removesuffix("@blind"), item.endswith("@blind")
+        method, *tags = item.split("@")
+        blind, rounding = "blind" in tags, [t for t in tags if t in DRAFT_QUANTIZATIONS]
+        if set(tags) - {"blind", *rounding}:
+            raise SystemExit(f"{item}: a drafter takes @blind and @{'/@'.join(DRAFT_QUANTIZATIONS)}")
         spec = method_spec(method, args.k)
+        if rounding:
+            spec["quantization"] = rounding[0]
         spec["adaptive"] = args.scheduler != "static"
         e = base.with_speculation(spec)
         e.scheduler = args.scheduler

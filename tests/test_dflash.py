@@ -739,8 +739,8 @@ def test_a_q8_0_drafter_drafts_like_the_float_one_and_stays_lossless(trained, ti
     assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0, "the rounded drafter still gets drafts accepted"
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method):
+@pytest.mark.parametrize("method, kind", [("dflash", "Q8_0"), ("dspark", "Q8_0"), ("dspark", "Q4_0")])
+def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method, kind):
     """Beside a gguf-q8act target the rounded drafter runs its layers through a few kernel calls
     (drafters/dflash_kernel.py: q | k | v and gate | up stacked, norms, residuals and SwiGLU fused, vs_attention, the
     context K/V of every layer in two linears). Against the same rounded drafter's torch ops (separate weights, torch
@@ -753,9 +753,9 @@ def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method):
 
     _, _, target = tiny
     m = copy.deepcopy(trained[method][0])
-    m.quantize_q8act(Q8ActWeight.from_float(target.output_weight()))
+    m.quantize_q8act(Q8ActWeight.from_float(target.output_weight()), kind)
     kern, c = m.kernel, m.cfg
-    assert kern is not None
+    assert kern is not None and kern.ctx_kv.kind == m.fc.kind == m.layers[0].o_proj.kind == kind
     g = torch.Generator().manual_seed(7)
     n, B = 40, c.block_size
     feats = torch.randn(n, len(c.feature_layers) * c.hidden_size, generator=g)

@@ -406,7 +406,35 @@ def test_a_q8_0_head_drafts_like_the_float_head_and_stays_lossless(setup):
     assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.2, "the rounded head still gets drafts accepted"
 
 
-def test_the_kernel_step_computes_the_heads_layer(setup):
+def test_the_drafters_block_format_is_the_users_choice_and_refused_where_it_cannot_apply(setup):
+    """speculative_config "quantization" reaches the loader: beside a target on the kernel each choice rounds every
+    linear of the head to that format (none named: the default); beside a float target the head stays float and
+    naming a format is an error, as is naming one for a drafter that is not learned, or one that does not exist."""
+    from verispec.config import DEFAULT_DRAFT_QUANTIZATION, SpeculativeConfig
+    from verispec.drafters import load_learned
+    from verispec.drafters.eagle3 import LINEARS
+    from verispec.execution.q8act import Q8ActWeight
+
+    llm, head_dir = setup["llm"], str(setup["root"] / "head")
+    target = llm.model
+    assert not isinstance(load_learned("eagle3", head_dir, target).lm_head, Q8ActWeight)
+    with pytest.raises(ValueError, match="gguf-q8act"):
+        load_learned("eagle3", head_dir, target, "q4_0")
+    target.decoder_kernel = object()  # what load reads to tell a target on the kernel
+    try:
+        for name, kind in [(None, DEFAULT_DRAFT_QUANTIZATION.upper()), ("q8_0", "Q8_0"), ("q4_1", "Q4_1")]:
+            head = load_learned("eagle3", head_dir, target, name)
+            assert {getattr(head, n).kind for n in LINEARS} == {kind} and head.kernel.qkv_feat.kind == kind, name
+    finally:
+        target.decoder_kernel = None
+    for bad, match in [({"method": "ngram", "quantization": "q4_0"}, "learned"),
+                       ({"method": "eagle3", "model": head_dir, "quantization": "int4"}, "q8_0, q4_1, q4_0")]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_the_kernel_step_computes_the_heads_layer(setup, kind):
     """Beside a gguf-q8act target the rounded head drafts through a few kernel calls (drafters/eagle3_kernel.py):
     q | k | v split at d along K with both norms fused, RoPE in place, vs_attention, fused residuals and SwiGLU.
     Against the same rounded head's torch ops (separate q, k, v, gate and up weights; torch norms, RoPE, attention
@@ -416,9 +444,9 @@ def test_the_kernel_step_computes_the_heads_layer(setup):
 
     llm = setup["llm"]
     head = load(str(setup["root"] / "head"), llm.model)
-    head.quantize_q8act()
+    head.quantize_q8act(kind)
     kern = head.kernel
-    assert kern is not None
+    assert kern is not None and kern.gate_up.kind == head.lm_head.kind == kind
     c = head.cfg
     g = torch.Generator().manual_seed(5)
     m = 20  # committed positions with K/V already in the caches

@@ -323,6 +323,28 @@ def test_without_a_working_compiler_the_path_is_not_offered_and_says_why(tmp_pat
     assert "gguf-q8act" not in [p.name for p in candidates("cpu", True)]
 
 
+@pytest.mark.parametrize("kind, worst", [("Q8_0", 0.01), ("Q4_1", 0.12), ("Q4_0", 0.15)])
+def test_a_float_weight_rounded_to_each_format_is_ggufs_blocks_on_the_kernel(kind: str, worst: float) -> None:
+    """`from_float` (a trained drafter's weights): the blocks are gguf's own quantizer's, the kernel multiplies
+    exactly those (gguf's dequantisation times the quantised activations), and the rounding stays within the
+    format's error of the float weight (relative Frobenius norm)."""
+    from gguf.quants import quantize
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 96, generator=g) * 0.05
+    q = Q8ActWeight.from_float(w, kind)
+    raw = quantize(w.numpy(), GGMLQuantizationType[kind])
+    assert q.kind == kind and q.shape == (40, 96)
+    wd = dense(raw, kind, 40, 96)
+    assert float((wd - w.double()).norm() / w.double().norm()) < worst
+    x = torch.randn(3, 96, generator=g)
+    xq = quantised(x)
+    ref, bound = xq @ wd.T, (xq.abs() @ wd.abs().T) * 2e-6 + 1e-6
+    assert ((q.matmul(x).double() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError, match="Q5_K"):
+        Q8ActWeight.from_float(w, "Q5_K")
+
+
 def test_bad_input_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Q5_K"):
         Q8ActWeight(np.zeros((8, 20), np.uint8), "Q5_K", 8, 32)

@@ -113,3 +113,22 @@ def test_sample_rows_follows_each_row_and_never_draws_a_zero():
     assert one[0] == one[1]
     wide = torch.softmax(torch.randn(49152, generator=g) * 3, -1)  # the default model's vocabulary
     assert sample_index(wide, g) in range(49152)
+
+
+def test_a_greedy_drafters_pick_is_the_first_top_logit_and_its_softmax_probability() -> None:
+    """`greedy_pick` (the token a greedy token-by-token drafter drafts and its confidence) against torch's argmax
+    and float64 softmax: rows with a clear winner, a tie (the first of equals, as torch's argmax), a flat row, huge
+    logits that a naive exp overflows, and the torch path it takes for other dtypes."""
+    from verispec.drafters.base import greedy_pick
+
+    g = torch.Generator().manual_seed(4)
+    tie = torch.randn(300, generator=g)
+    tie[[17, 201]] = tie.max() + 1.0
+    rows = [torch.randn(8192, generator=g) * 3, tie, torch.zeros(50), torch.randn(64, generator=g) * 1e4 + 1e30]
+    for x in rows:
+        j, conf = greedy_pick(x)
+        assert j == int(torch.argmax(x))
+        assert conf == pytest.approx(float(torch.softmax(x.double(), -1)[j]), rel=1e-5)
+    assert greedy_pick(tie)[0] == 17 and greedy_pick(torch.zeros(50))[1] == pytest.approx(1 / 50)
+    j, conf = greedy_pick(rows[0].bfloat16())
+    assert j == int(torch.argmax(rows[0].bfloat16())) and 0 < conf <= 1

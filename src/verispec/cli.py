@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from verispec.config import KV_CACHE_DTYPES, MODEL_FREE_METHODS, QUANTIZATIONS, SPEC_METHODS
+from verispec.config import (DEFAULT_DRAFT_QUANTIZATION, DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES, MODEL_FREE_METHODS,
+                             QUANTIZATIONS, SPEC_METHODS)
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -54,6 +55,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid", default=None, choices=MODEL_FREE_METHODS,
                    help="a model-free drafter drafting first each step; the --method drafter drafts where the "
                         "policy verifies none of its draft")
+    p.add_argument("--draft-quantization", default=None, choices=DRAFT_QUANTIZATIONS,
+                   help=f"GGUF blocks a learned drafter's (eagle3 | dflash | dspark) linears are rounded to beside a "
+                        f"gguf-q8act target (default {DEFAULT_DRAFT_QUANTIZATION}; q8_0 reads twice the bytes per "
+                        f"draft token); speculative_config's \"quantization\"")
     p.add_argument("--speculative-config", default=None, help="JSON dict, vLLM's speculative_config")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens instead of adapting k")
     p.add_argument("--check-state", action="store_true",
@@ -73,6 +78,8 @@ def _spec_config(args: argparse.Namespace) -> dict[str, Any] | None:
         spec["model"] = args.draft_model
     if args.hybrid:
         spec["hybrid"] = args.hybrid
+    if args.draft_quantization:
+        spec["quantization"] = args.draft_quantization
     if args.no_adaptive:
         spec["adaptive"] = False
     return spec or None

@@ -147,6 +147,11 @@ QUANTIZATIONS = ("gguf", "gguf-q8act")
 # speculative steps, so greedy speculation still equals plain decoding bit for bit)
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
+# GGUF block formats a learned drafter's float linears are rounded to beside a gguf-q8act target
+# (speculative_config "quantization"); the default: drafts about as good as Q8_0's at half the bytes read per draft
+# token (benchmarks/learned_drafters.py, formats side by side: docs/drafters.md)
+DRAFT_QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
+DEFAULT_DRAFT_QUANTIZATION = "q4_0"
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree
 HYBRID_METHODS = ("draft_model", *LEARNED_METHODS, *NATIVE_METHODS)  # model drafters a hybrid's model-free one precedes
 
@@ -174,6 +179,10 @@ class SpeculativeConfig:
     # a model-free drafter (ngram or suffix) drafting first each step, the method's model drafter where the policy
     # verifies none of the model-free draft (drafters/hybrid.py; each side with its own acceptance estimate)
     hybrid: str | None = None
+    # the GGUF block format (DRAFT_QUANTIZATIONS) of a learned drafter's linears on verispec's CPU kernel, beside a
+    # gguf-q8act target (None: DEFAULT_DRAFT_QUANTIZATION; with another target path the drafter stays float and
+    # naming one is an error)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -193,6 +202,11 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.hybrid is not None:
             self._check_hybrid()
+        if self.quantization is not None and (self.quantization not in DRAFT_QUANTIZATIONS
+                                              or self.method not in LEARNED_METHODS):
+            raise ValueError(f"quantization rounds a learned drafter's weights ({', '.join(LEARNED_METHODS)}) to "
+                             f"one of {', '.join(DRAFT_QUANTIZATIONS)}; got {self.quantization!r} for method "
+                             f"{self.method!r}")
         if self.draft_tree not in (False, True, "auto"):
             raise ValueError(f"draft_tree takes true, false or \"auto\", got {self.draft_tree!r}")
         if self.draft_tree and (self.method not in TREE_METHODS or self.acceptance_rule != "exact"):

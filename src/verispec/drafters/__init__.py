@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verispec.config import LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
+from verispec.config import DEFAULT_DRAFT_QUANTIZATION, LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
 from verispec.drafters.base import Drafter
 from verispec.execution.sampling import SamplingParams
 
@@ -32,7 +32,7 @@ class DrafterFactory:
         self.max_len = max_len
         if cfg.method in LEARNED_METHODS:
             assert target is not None
-            self.learned = load_learned(cfg.method, cfg.model, target)  # type: ignore[arg-type]
+            self.learned = load_learned(cfg.method, cfg.model, target, cfg.quantization)  # type: ignore[arg-type]
         if cfg.method == "mtp":
             from verispec.drafters.mtp import load as load_mtp
 
@@ -145,16 +145,16 @@ DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | No
 assert tuple(DRAFTERS) == SPEC_METHODS, "every speculative method needs a drafter constructor"
 
 
-def _load_eagle3(method: str, directory, target, path: str):
+def _load_eagle3(method: str, directory, target, path: str, kind: str):
     from verispec.drafters.eagle3 import load
 
-    return load(directory, target)
+    return load(directory, target, kind=kind)
 
 
-def _load_block(method: str, directory, target, path: str):
+def _load_block(method: str, directory, target, path: str, kind: str):
     from verispec.drafters.dflash import load
 
-    model = load(directory, target)
+    model = load(directory, target, kind=kind)
     is_dspark = bool(getattr(model.cfg, "dspark", False))
     if is_dspark != (method == "dspark"):
         raise ValueError(f"{path} holds a {'DSpark' if is_dspark else 'DFlash'} drafter; use --method "
@@ -162,7 +162,8 @@ def _load_block(method: str, directory, target, path: str):
     return model
 
 
-# learned method -> the loader of its trained module (method, checkpoint directory, target, what the user gave)
+# learned method -> the loader of its trained module (method, checkpoint directory, target, what the user gave,
+# the GGUF block format of its linears beside a gguf-q8act target)
 LEARNED_LOADERS: dict[str, Callable[..., Any]] = {
     "eagle3": _load_eagle3,
     "dflash": _load_block,
@@ -171,11 +172,16 @@ LEARNED_LOADERS: dict[str, Callable[..., Any]] = {
 assert tuple(LEARNED_LOADERS) == LEARNED_METHODS, "every learned method needs a loader"
 
 
-def load_learned(method: str, path: str, target):
-    """Load a trained drafter (a directory, or a shipped drafter's name) for `target`; checks the method matches."""
+def load_learned(method: str, path: str, target, quantization: str | None = None):
+    """Load a trained drafter (a directory, or a shipped drafter's name) for `target`; checks the method matches.
+    `quantization` (config.DRAFT_QUANTIZATIONS): the block format of its linears beside a gguf-q8act target (None:
+    the default); naming one for a target on another path is an error (the drafter stays float there)."""
     from verispec.drafters.shipped import resolve
 
     loader = LEARNED_LOADERS.get(method)
     if loader is None:
         raise ValueError(f"{method!r} is not a learned drafter method; known: {', '.join(LEARNED_LOADERS)}")
-    return loader(method, resolve(path), target, path)
+    if quantization is not None and getattr(target, "decoder_kernel", None) is None:
+        raise ValueError(f"quantization {quantization!r}: learned drafters are rounded to GGUF blocks only beside a "
+                         f"target on the gguf-q8act path (a GGUF target, dtype auto on a CPU that picks it)")
+    return loader(method, resolve(path), target, path, (quantization or DEFAULT_DRAFT_QUANTIZATION).upper())

@@ -47,18 +47,18 @@ from verispec.models.tree import TreeDraft
 TREE_TOPK = 4  # children considered per expanded node
 
 
-def load(path: str | Path, target, inference: bool = True) -> DFlashModel:
+def load(path: str | Path, target, inference: bool = True, kind: str = "Q8_0") -> DFlashModel:
     """A trained DFlash / DSpark checkpoint for `target`, in the target's dtype and device; for inference beside a
-    gguf-q8act target, on the same kernel (`DFlashModel.quantize_q8act`), and with the draft vocabulary stored
-    beside it where there is one (drafters/draft_vocab.py); `inference=False`: float, full vocabulary, to train or
-    export."""
+    gguf-q8act target, on the same kernel with its linears in `kind` blocks (`DFlashModel.quantize_q8act`), and
+    with the draft vocabulary stored beside it where there is one (drafters/draft_vocab.py); `inference=False`:
+    float, full vocabulary, to train or export."""
     model = DFlashModel.from_pretrained(path, target)
     ids = draft_vocab.read(path) if inference else None
     if ids is not None:  # built from the float weights, before any rounding
         w2 = model.markov.w2.weight if model.markov is not None else None
         model.vocab = DraftVocab(ids, model.parts.out_weight, w2, kernel=target.decoder_kernel is not None)
     if inference and target.decoder_kernel is not None:
-        model.quantize_q8act(target.head_weight)
+        model.quantize_q8act(target.head_weight, kind)
     return model
 
 

@@ -36,15 +36,15 @@ class DFlashKernel:
     """Built from a float32 CPU drafter before its linears are rounded (`DFlashModel.quantize_q8act`); it reads the
     drafter's rounded W_c, o_proj and down_proj and its norms at call time."""
 
-    def __init__(self, model: nn.Module) -> None:  # drafters/dflash_model.py's DFlashModel (not imported: no cycle)
+    def __init__(self, model: nn.Module, kind: str = "Q8_0") -> None:  # dflash_model.py's DFlashModel (no cycle)
         c = model.cfg
         self.model, self.cfg, self.lib = model, c, load()
-        self.qkv = [Q8ActWeight.from_float(torch.cat([la.q_proj.weight, la.k_proj.weight, la.v_proj.weight]))
+        self.qkv = [Q8ActWeight.from_float(torch.cat([la.q_proj.weight, la.k_proj.weight, la.v_proj.weight]), kind)
                     for la in model.layers]
-        self.gate_up = [Q8ActWeight.from_float(torch.cat([la.gate_proj.weight, la.up_proj.weight]))
+        self.gate_up = [Q8ActWeight.from_float(torch.cat([la.gate_proj.weight, la.up_proj.weight]), kind)
                         for la in model.layers]
         self.ctx_kv = Q8ActWeight.from_float(torch.cat([la.k_proj.weight for la in model.layers]
-                                                       + [la.v_proj.weight for la in model.layers]))
+                                                       + [la.v_proj.weight for la in model.layers]), kind)
         H, K = c.num_heads, c.num_kv_heads
         # per-head norm weights: [H + K, hd] per layer (q's H heads, then k's K), [L, K, hd] for the context keys
         self.qk_norm = [torch.cat([la.q_norm.weight.expand(H, -1), la.k_norm.weight.expand(K, -1)]).contiguous()

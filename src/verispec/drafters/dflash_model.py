@@ -184,23 +184,24 @@ class DFlashModel(nn.Module):
     def quantized(self) -> bool:
         return not isinstance(self.fc, nn.Linear)
 
-    def quantize_q8act(self, head: nn.Module) -> None:
+    def quantize_q8act(self, head: nn.Module, kind: str = "Q8_0") -> None:
         """Inference on verispec's CPU kernel beside a gguf-q8act target: every linear (W_c, the layers', DSpark's
-        Markov W2 where its rank is a multiple of 32) rounded to Q8_0 blocks by gguf's quantizer, int8 activations
-        per 32, and the logits through `head`, the target's own Q8_0 output head on the same kernel (the GGUF's
-        blocks of the matrix the float path reads). A block forward then reads about a quarter of the float32
-        bytes; drafts change a little, verification keeps the output exact. Not for training or export. Block
-        forwards and context K/V then run in a few kernel calls per layer (drafters/dflash_kernel.py)."""
+        Markov W2 where its rank is a multiple of 32) rounded to `kind` blocks (Q8_0, Q4_1 or Q4_0) by gguf's
+        quantizer, int8 activations per 32, and the logits through `head`, the target's own Q8_0 output head on the
+        same kernel (the GGUF's blocks of the matrix the float path reads). A block forward then reads about a
+        quarter (Q8_0) or an eighth (4-bit) of the float32 bytes; drafts change a little, verification keeps the
+        output exact. Not for training or export. Block forwards and context K/V then run in a few kernel calls
+        per layer (drafters/dflash_kernel.py)."""
         from verispec.drafters.dflash_kernel import DFlashKernel
         from verispec.execution.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.weight.device.type == "cpu", "the q8act kernel is CPU fp32"
-        kernel = DFlashKernel(self)  # from the float weights: q | k | v, gate | up and the context k | v stacked
-        round_linears(self, ("fc",))
+        kernel = DFlashKernel(self, kind)  # from the float weights: q | k | v, gate | up and the context k | v
+        round_linears(self, ("fc",), kind)
         for layer in self.layers:
-            round_linears(layer, LAYER_LINEARS)
-        if self.markov is not None and self.cfg.markov_rank % 32 == 0:  # Q8_0 blocks are 32 wide
-            round_linears(self.markov, ("w2",))
+            round_linears(layer, LAYER_LINEARS, kind)
+        if self.markov is not None and self.cfg.markov_rank % 32 == 0:  # the blocks are 32 wide
+            round_linears(self.markov, ("w2",), kind)
         self.parts = replace(self.parts, out_head=head)
         self.kernel = kernel
 

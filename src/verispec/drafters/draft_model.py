@@ -12,9 +12,9 @@ from typing import Sequence
 import torch
 
 from verispec.check.state import StateMismatch, check_kv
-from verispec.drafters.base import Draft, drafted_confidence
+from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
 from verispec.drafters.tree_growth import Growth, frontier_width
-from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.execution.sampling import SamplingParams, sample_index, target_probs
 from verispec.models.llama import LlamaModel, Segment
 from verispec.models.tree import TreeDraft
 from verispec.state.kv_cache import KVCache
@@ -74,15 +74,15 @@ class DraftModelDrafter:
         tokens: list[int] = []
         probs, confs, survival = [], [], 1.0
         for i in range(k):
-            q = None
             if self.params.greedy:
-                t = argmax_rows(logits)[0]
+                t, conf = greedy_pick(logits)
             else:
                 q = target_probs(logits[None], self.params.temperature, self.params.top_k, self.params.top_p)[0]
                 t = sample_index(q, self.generator)
                 probs.append(q)
+                conf = drafted_confidence(logits, t, q)
             tokens.append(t)
-            confs.append(drafted_confidence(logits, t, q))
+            confs.append(conf)
             survival *= confs[-1]
             if i + 1 == k or survival < min_survival:
                 break

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from verispec.drafters.base import Draft, drafted_confidence
+from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
 from verispec.drafters.features import own
 from verispec.drafters.tree_growth import Growth, frontier_width
-from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.execution.sampling import SamplingParams, sample_index, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
@@ -109,17 +109,18 @@ class Eagle3Head(nn.Module):
         """The dtype the head computes in (its norms'; its linears may be Q8_0 blocks, `quantize_q8act`)."""
         return self.norm.dtype
 
-    def quantize_q8act(self) -> None:
-        """Inference on verispec's CPU kernel: every linear rounded to Q8_0 blocks (gguf's quantizer), int8
-        activations per 32, as the gguf-q8act target runs. A draft token then reads about a quarter of the
-        float32 weight bytes; drafts change a little, verification keeps the output exact. Not for training.
-        Drafting then runs the layer in a few kernel calls per step (drafters/eagle3_kernel.py)."""
+    def quantize_q8act(self, kind: str = "Q8_0") -> None:
+        """Inference on verispec's CPU kernel: every linear rounded to `kind` blocks (Q8_0, Q4_1 or Q4_0; gguf's
+        quantizer), int8 activations per 32, as the gguf-q8act target runs. A draft token then reads about a
+        quarter (Q8_0) or an eighth (4-bit) of the float32 weight bytes; drafts change a little, verification keeps
+        the output exact. Not for training. Drafting then runs the layer in a few kernel calls per step
+        (drafters/eagle3_kernel.py)."""
         from verispec.drafters.eagle3_kernel import Eagle3Kernel
         from verispec.execution.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.device.type == "cpu", "the q8act kernel is CPU float32"
-        kernel = Eagle3Kernel(self)  # from the float weights: q | k | v and gate | up stacked
-        round_linears(self, LINEARS)
+        kernel = Eagle3Kernel(self, kind)  # from the float weights: q | k | v and gate | up stacked
+        round_linears(self, LINEARS, kind)
         self.kernel = kernel
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -179,9 +180,10 @@ class Eagle3Head(nn.Module):
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
-def load(path: str | Path, target: LlamaModel, inference: bool = True) -> Eagle3Head:
+def load(path: str | Path, target: LlamaModel, inference: bool = True, kind: str = "Q8_0") -> Eagle3Head:
     """A head saved by `save_pretrained` (verispec layout) for `target`, in the target's dtype and device; for
-    inference beside a gguf-q8act target, on the same kernel (`quantize_q8act`); `inference=False`: float, to train."""
+    inference beside a gguf-q8act target, on the same kernel with its linears in `kind` blocks (`quantize_q8act`);
+    `inference=False`: float, to train."""
     p = Path(path)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is not an EAGLE-3 checkpoint (config.json missing)")
@@ -195,7 +197,7 @@ def load(path: str | Path, target: LlamaModel, inference: bool = True) -> Eagle3
     head.load_state_dict(load_file(str(p / "model.safetensors")))
     head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     if inference and target.decoder_kernel is not None:  # the gguf-q8act target: the head on the same kernel
-        head.quantize_q8act()
+        head.quantize_q8act(kind)
     return head
 
 
@@ -239,6 +241,8 @@ class Eagle3Drafter:
         self.v = torch.empty_like(self.k)
         self.n_kv = 0  # head K/V written for positions 0 .. n_kv-1 (committed)
         self.generator = None if params.greedy else params.make_generator(dev, stream="eagle3")
+        # draft id -> target id as a list: a greedy pick indexes it (a tensor index costs ~9 us per token)
+        self._target_id = head.to_target_ids(torch.arange(c.draft_vocab_size, device=dev)).tolist()
 
     @property
     def n_feat(self) -> int:
@@ -276,8 +280,8 @@ class Eagle3Drafter:
     def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         """[Vd] -> (target token id, q over the target vocabulary or None when greedy, the token's confidence)."""
         if self.params.greedy:
-            j = argmax_rows(draft_logits)[0]
-            return int(self.head.to_target_ids(j)), None, drafted_confidence(draft_logits, j, None)
+            j, conf = greedy_pick(draft_logits)
+            return self._target_id[j], None, conf
         p = self.params
         q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
         t = sample_index(q, self.generator)

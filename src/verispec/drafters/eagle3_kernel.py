@@ -11,8 +11,8 @@ The same layer as drafters/eagle3.py (see its docstring), with the kernel's own 
   h    = f + o(attn);  h = h + down(swiglu(gate_up(RMSNorm_post(h))))     residuals and norm fused
   logits = lm_head(RMSNorm(h))                                             the draft vocabulary
 
-The weights are the head's own rounded to Q8_0 (q | k | v and gate | up stacked along N, q | k | v split at d
-along K): so the numbers are near the torch path's but not its bits. Drafts may change; the output cannot (the
+The weights are the head's own rounded to GGUF blocks (Q8_0 by default; `kind`; q | k | v and gate | up stacked
+along N, q | k | v split at d along K): so the numbers are near the torch path's but not its bits. Drafts may change; the output cannot (the
 target verifies every token). K/V of a position depend on its own row only (per-row norms and per-row int8
 scales), so recomputing them with `qkv` gives the same bits: the state oracle compares exactly.
 """
@@ -30,13 +30,13 @@ class Eagle3Kernel:
     """Built from a float32 CPU head before its linears are rounded (`Eagle3Head.quantize_q8act`); it reads the
     head's rounded o_proj, down_proj and lm_head and its norms at call time."""
 
-    def __init__(self, head: nn.Module) -> None:  # drafters/eagle3.py's Eagle3Head (not imported: no cycle)
+    def __init__(self, head: nn.Module, kind: str = "Q8_0") -> None:  # drafters/eagle3.py's Eagle3Head (no cycle)
         c = head.cfg
         d = c.hidden_size
         w = torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight])  # [(H + 2K) hd, 2d]
-        self.qkv_emb = Q8ActWeight.from_float(w[:, :d].contiguous())
-        self.qkv_feat = Q8ActWeight.from_float(w[:, d:].contiguous())
-        self.gate_up = Q8ActWeight.from_float(torch.cat([head.gate_proj.weight, head.up_proj.weight]))
+        self.qkv_emb = Q8ActWeight.from_float(w[:, :d].contiguous(), kind)
+        self.qkv_feat = Q8ActWeight.from_float(w[:, d:].contiguous(), kind)
+        self.gate_up = Q8ActWeight.from_float(torch.cat([head.gate_proj.weight, head.up_proj.weight]), kind)
         self.head = head
         self.lib = load()
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.base import Draft, drafted_confidence
-from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
+from verispec.execution.sampling import SamplingParams, sample_index, target_probs
 from verispec.models.hf_weights import load_layer
 from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, rms_norm
 from verispec.models.mtp_layout import MTPLayout, MTPLayoutError, block_intermediate, detect, problems
@@ -212,13 +212,15 @@ class MTPDrafter:
         self.waiting = self.waiting[:0]
         return o[-1:]
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """[V] -> (token, q or None when greedy)."""
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """[V] -> (token, q or None when greedy, the token's confidence)."""
         if self.params.greedy:
-            return argmax_rows(logits)[0], None
+            t, conf = greedy_pick(logits)
+            return t, None, conf
         p = self.params
         q = target_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
-        return sample_index(q, self.generator), q
+        t = sample_index(q, self.generator)
+        return t, q, drafted_confidence(logits, t, q)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, min_survival: float = 0.0) -> Draft:
@@ -232,9 +234,9 @@ class MTPDrafter:
         committed, tokens, probs, confs, survival = self.n_kv, [], [], [], 1.0
         try:
             for s in range(k):
-                t, q = self._pick(logits[0])
+                t, q, conf = self._pick(logits[0])
                 tokens.append(t)
-                confs.append(drafted_confidence(logits[0], t, q))
+                confs.append(conf)
                 survival *= confs[-1]
                 if q is not None:
                     probs.append(q)

@@ -74,17 +74,20 @@ class Q8ActWeight(nn.Module):
         return cls(raw, kinds.pop(), raw.shape[0], k)
 
     @classmethod
-    def from_float(cls, w: torch.Tensor) -> Q8ActWeight:
-        """A float weight [N, K] (K a multiple of 32) rounded to Q8_0 blocks by gguf's own quantizer (bit-exact
-        with llama.cpp's quantize_row_q8_0): for weights that come as floats, e.g. a trained drafter's."""
+    def from_float(cls, w: torch.Tensor, kind: str = "Q8_0") -> Q8ActWeight:
+        """A float weight [N, K] (K a multiple of 32) rounded to `kind` blocks (Q8_0, Q4_1 or Q4_0) by gguf's own
+        quantizer (llama.cpp's reference quantize_row_*): for weights that come as floats, e.g. a trained
+        drafter's."""
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
 
         n, k = w.shape
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"weight format {kind!r} is not one of {', '.join(BLOCK_BYTES)}")
         if k % BLOCK:
-            raise ValueError(f"Q8_0 needs K a multiple of {BLOCK}, got [{n}, {k}]")
-        raw = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)  # uint8 [N, K / 32 * 34]
-        return cls(raw, "Q8_0", n, k)
+            raise ValueError(f"{kind} needs K a multiple of {BLOCK}, got [{n}, {k}]")
+        raw = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType[kind])  # uint8 [N, K / 32 * bytes]
+        return cls(raw, kind, n, k)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,8 +127,8 @@ class Q8ActWeight(nn.Module):
         return f"shape={self.shape}, kind={self.kind}, int8 activations per {BLOCK}"
 
 
-def round_linears(module: nn.Module, names: Sequence[str]) -> None:
-    """Replace each named bias-free nn.Linear of `module` by its weight rounded to Q8_0 (`Q8ActWeight.from_float`):
-    a float drafter set up to run beside a gguf-q8act target on the same kernel."""
+def round_linears(module: nn.Module, names: Sequence[str], kind: str = "Q8_0") -> None:
+    """Replace each named bias-free nn.Linear of `module` by its weight rounded to `kind` blocks
+    (`Q8ActWeight.from_float`): a float drafter set up to run beside a gguf-q8act target on the same kernel."""
     for name in names:
-        setattr(module, name, Q8ActWeight.from_float(getattr(module, name).weight))
+        setattr(module, name, Q8ActWeight.from_float(getattr(module, name).weight, kind))
