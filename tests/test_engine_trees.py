@@ -136,7 +136,8 @@ def test_auto_shape_drafts_the_shape_that_commits_more(tiny_dir, hf, monkeypatch
 
 
 def test_prefer_tree_is_committed_tokens_per_second():
-    """Closed form: (1 + sum of the i.i.d. survivals a^j, j = 1..k) / (step + k x drafting cost per token)."""
+    """Closed form: (1 + sum of the i.i.d. survivals a^j, j = 1..n) / (step with n rows + n x drafting cost per
+    token), with n = k for the tree and the chain's own length for the chain."""
     from verispec.engine.costs import AcceptanceEstimator, prefer_tree
 
     def est(a, cost):
@@ -144,14 +145,107 @@ def test_prefer_tree_is_committed_tokens_per_second():
         e.draft_cost_per_token = cost
         return e
 
-    def rate(a, cost, k=4, step=0.010):
-        return (1 + sum(a ** j for j in range(1, k + 1))) / (step + k * cost)
+    def rate(a, cost, k=4, step=0.010, per_row=0.0):
+        return (1 + sum(a ** j for j in range(1, k + 1))) / (step + k * per_row + k * cost)
+
+    def flat(step):
+        return lambda n: step
 
     chain, cheap_tree, dear_tree = est(0.5, 0.001), est(0.7, 0.001), est(0.7, 0.004)
-    assert rate(0.7, 0.001) > rate(0.5, 0.001) and prefer_tree(chain, cheap_tree, 4, 0.010)
-    assert rate(0.7, 0.004) < rate(0.5, 0.001) and not prefer_tree(chain, dear_tree, 4, 0.010)
-    assert rate(0.7, 0.004, step=0.100) > rate(0.5, 0.001, step=0.100) and prefer_tree(chain, dear_tree, 4, 0.100)
-    assert not prefer_tree(chain, est(0.5, 0.001), 4, 0.010)  # a tie keeps the chain
+    assert rate(0.7, 0.001) > rate(0.5, 0.001) and prefer_tree(chain, cheap_tree, 4, flat(0.010))
+    assert rate(0.7, 0.004) < rate(0.5, 0.001) and not prefer_tree(chain, dear_tree, 4, flat(0.010))
+    assert rate(0.7, 0.004, step=0.100) > rate(0.5, 0.001, step=0.100) and prefer_tree(chain, dear_tree, 4, flat(0.100))
+    assert not prefer_tree(chain, est(0.5, 0.001), 4, flat(0.010))  # a tie keeps the chain
+    # rows that cost (1.2 ms each on a 4 ms step): a chain that stops itself after one token verifies one row. The
+    # tree's 4 rows commit more tokens per second than the chain would at 4, but fewer than the chain's one
+    chain, tree = est(0.65, 0.0003), est(0.7, 0.0003)
+    rows = lambda n: 0.004 + 0.0012 * n  # noqa: E731
+    assert rate(0.7, 0.0003, step=0.004, per_row=0.0012) > rate(0.65, 0.0003, step=0.004, per_row=0.0012)
+    assert prefer_tree(chain, tree, 4, rows)
+    assert rate(0.65, 0.0003, k=1, step=0.004, per_row=0.0012) > rate(0.7, 0.0003, step=0.004, per_row=0.0012)
+    assert not prefer_tree(chain, tree, 4, rows, chain_len=1)
+    assert prefer_tree(chain, tree, 4, rows, chain_len=9) == prefer_tree(chain, tree, 4, rows)  # at most k rows
+
+
+def test_auto_prices_a_chain_at_its_measured_proposal_length():
+    """`LiveRequest.choose_shape` takes the chain's length from the lengths its proposals measured: after chain
+    proposals of one token (a drafter that stops itself) the chain is priced at one row, and auto keeps it where
+    pricing it at k rows would have sent the request to trees."""
+    from verispec.engine.costs import AcceptanceEstimator
+    from verispec.engine.plan import LiveRequest
+    from verispec.execution.sampling import SamplingParams
+    from verispec.state.request import Request
+
+    rows = lambda n: 0.004 + 0.0012 * n  # noqa: E731
+    picks = {}
+    for length in (1, 4):
+        lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0)), object(),
+                         AcceptanceEstimator(prior=0.65), None, None)
+        lv.tree_estimator = AcceptanceEstimator(prior=0.7)
+        for _ in range(3):  # the first proposal catches up and is not timed
+            lv.estimator.observe_draft(length, 0.0003 * length)
+            lv.tree_estimator.observe_draft(4, 0.0012)
+        lv.choose_shape(4, rows)
+        picks[length] = lv.tree_now
+    assert picks == {1: False, 4: True}
+def test_auto_compares_what_each_shape_did_once_both_are_measured():
+    """After SHAPE_MEASURED verified steps of each shape, "auto" goes by what they did: the measured tokens per step
+    over the step's time at the measured rows plus the measured time per proposal (closed form below), whatever the
+    estimates say; before that, by the estimates."""
+    from verispec.engine.costs import SHAPE_MEASURED, AcceptanceEstimator, ShapeRecord, prefer_tree
+
+    def est(a, per_proposal):
+        e = AcceptanceEstimator(prior=a)
+        e.draft_cost_per_token = per_proposal / 4
+        e.draft_cost_per_proposal = per_proposal
+        return e
+
+    rows = lambda n: 0.004 + 0.0012 * n  # noqa: E731
+    chain, tree = est(0.5, 0.0008), est(0.8, 0.0012)  # the estimates favour the tree
+    assert prefer_tree(chain, tree, 4, rows)
+    done_chain, done_tree = ShapeRecord(), ShapeRecord()
+    for _ in range(SHAPE_MEASURED):
+        done_chain.observe(1, 1)  # one row, accepted: 2 tokens a step
+        done_tree.observe(4, 1)  # four rows, a path of 1: 2 tokens a step
+    assert done_chain.tokens == done_tree.tokens == 2.0 and done_tree.rows == 4.0
+    assert 2 / (rows(1) + 0.0008) > 2 / (rows(4) + 0.0012)
+    assert not prefer_tree(chain, tree, 4, rows, measured=(done_chain, done_tree))
+    for _ in range(3):  # three steps of five tokens: the EMA (weight 0.25) goes 2 -> 5 - 3 x 0.75^3
+        done_tree.observe(4, 4)
+    assert done_tree.tokens == pytest.approx(5 - 3 * 0.75**3)
+    assert done_tree.tokens / (rows(4) + 0.0012) > 2 / (rows(1) + 0.0008)
+    assert prefer_tree(chain, tree, 4, rows, measured=(done_chain, done_tree))
+    fresh = ShapeRecord()
+    fresh.observe(1, 1)
+    assert prefer_tree(chain, tree, 4, rows, measured=(fresh, done_tree))  # one shape under-measured: estimates
+
+
+def test_a_tree_step_leaves_what_the_chains_say_of_their_confidences():
+    """Trees carry no confidences; with "auto" a tree step must not make the next chain step look like one from a
+    drafter without them (the policy would then drop the chain's early stop and verify-time admission). A chain
+    that comes without confidences still says so."""
+    from verispec.drafters.base import Draft
+    from verispec.engine.costs import AcceptanceEstimator
+    from verispec.engine.plan import LiveRequest
+    from verispec.models.tree import TreeDraft
+    from verispec.state.request import Request
+
+    class Drafter:
+        confident = True
+
+        def propose(self, context, k):
+            return Draft([5] * k, confidence=[0.9] * k if self.confident else None)
+
+        def propose_tree(self, context, budget, depth):
+            return TreeDraft(tuple([5] * budget), tuple([-1] + list(range(budget - 1))))
+
+    d = Drafter()
+    lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0)), d, AcceptanceEstimator(), None, None)
+    assert lv.propose(3).confidence == [0.9] * 3 and lv.confidences
+    lv.tree_now = True
+    assert lv.propose(3).parents is not None and lv.confidences
+    lv.tree_now, d.confident = False, False
+    assert lv.propose(3).confidence is None and not lv.confidences
 
 
 def test_the_tree_estimate_starts_from_the_drafting_time_chains_measured():
@@ -168,7 +262,7 @@ def test_the_tree_estimate_starts_from_the_drafting_time_chains_measured():
     for _ in range(5):
         chain.observe_draft(4, 0.016)
     lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=8)), None, chain, None, None)
-    lv.choose_shape(4, 0.010)
+    lv.choose_shape(4, lambda n: 0.010)
     assert lv.tree_estimator is not None and lv.tree_estimator is not chain
     assert lv.tree_estimator.draft_cost(4) == pytest.approx(chain.draft_cost(4)) == pytest.approx(0.016)
     assert lv.tree_now is False

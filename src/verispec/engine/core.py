@@ -198,8 +198,8 @@ class Engine:
         limits = [self._limit(lv) for lv in spec]
         if self.config.draft_tree == "auto":
             for lv, k in zip(spec, limits):
-                lv.choose_shape(k, self.policy.step_seconds(base_tokens + k, base_tokens))
-        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences, lv.one_pass,
+                lv.choose_shape(k, lambda n: self.policy.step_seconds(base_tokens + n, base_tokens))
+        cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences and not lv.tree_now, lv.one_pass,
                            lv.stops_early and not lv.tree_now) for lv, k in zip(spec, limits)]
         lengths, floors = self.policy.draft_lengths(cands, base_tokens), self.policy.survival_floors(cands, base_tokens)
         proposals = [lv.propose(k, f) for lv, k, f in zip(spec, lengths, floors)]

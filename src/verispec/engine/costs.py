@@ -14,6 +14,7 @@ import math
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from verispec.engine.draft_timing import DraftTiming
@@ -313,16 +314,51 @@ class AcceptanceEstimator:
             self.pos_rates[j] = self.decay * self.pos_rates[j] + (1 - self.decay) * (j < accepted)
 
 
-def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, step_s: float) -> bool:
-    """The draft shape of one request at k verified positions ("draft_tree": "auto"): True for a tree.
+SHAPE_MEASURED = 3  # verified steps of each shape before "auto" compares what the shapes did, not its estimates
 
-    Both shapes put k draft rows into the same forward, so verification costs the same (`step_s`, the step's
-    time). They differ in the tokens a step is expected to commit, 1 + sum over depths j <= k of P(depth j is
-    reached) (each shape's own online estimate, `position_survival`), and in drafting time, what each shape's
-    measured proposals say k tokens cost. The shape with more committed tokens per second wins; a tie keeps the
-    chain.
+
+@dataclass
+class ShapeRecord:
+    """What one draft shape's verified steps did in a request: EMAs of the tokens a step committed (1 + accepted)
+    and of the draft rows it verified, and how many such steps there were."""
+
+    tokens: float = 0.0
+    rows: float = 0.0
+    steps: int = 0
+    weight: float = 0.25  # the newest step's
+
+    def observe(self, rows: int, accepted: int) -> None:
+        w = self.weight if self.steps else 1.0
+        self.tokens = (1 - w) * self.tokens + w * (1 + accepted)
+        self.rows = (1 - w) * self.rows + w * rows
+        self.steps += 1
+
+    def rate(self, step_s: Callable[[int], float], draft_s: float) -> float:
+        """Committed tokens per second: a step's tokens over its forward with that many rows and one proposal."""
+        return self.tokens / (step_s(max(1, round(self.rows))) + draft_s)
+
+
+def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, step_s: Callable[[int], float],
+                chain_len: int | None = None, measured: tuple[ShapeRecord, ShapeRecord] | None = None) -> bool:
+    """The draft shape of one request at up to k draft positions ("draft_tree": "auto"): True for a tree.
+
+    Once each shape has SHAPE_MEASURED verified steps in `measured` (chain, tree), the shape whose steps committed
+    more tokens per second wins: their measured tokens per step over the step's time at their measured rows plus
+    their measured time per proposal (what the estimates below model, with the policy's cuts and a drafter's own
+    stops included). Before that, from the estimates: a tree puts its k nodes into the step's forward; a chain its
+    `chain_len` tokens (k where None; fewer for a drafter that stops its own drafts where its confidence falls:
+    what its proposals have measured). `step_s(n)` is the step's time with n draft rows of this request. The shapes
+    differ in the tokens a step is expected to commit, 1 + sum over depths j of P(depth j is reached) (each
+    shape's own online estimate, `position_survival`, up to its rows), in the rows verified and in drafting time,
+    what each shape's measured proposals say its tokens cost. A tie keeps the chain.
     """
-    def rate(e: AcceptanceEstimator) -> float:
-        return (1 + sum(e.position_survival(k))) / (step_s + e.draft_cost(k))
+    if measured is not None and min(r.steps for r in measured) >= SHAPE_MEASURED:
+        done_chain, done_tree = measured
+        return (done_tree.rate(step_s, tree.draft_cost_per_proposal)
+                > done_chain.rate(step_s, chain.draft_cost_per_proposal))
+    n_chain = k if chain_len is None else max(1, min(k, chain_len))
 
-    return rate(tree) > rate(chain)
+    def rate(e: AcceptanceEstimator, n: int) -> float:
+        return (1 + sum(e.position_survival(n))) / (step_s(n) + e.draft_cost(n))
+
+    return rate(tree, k) > rate(chain, n_chain)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.hybrid import HybridDrafter
-from verispec.engine.costs import AcceptanceEstimator, prefer_tree
+from verispec.engine.costs import AcceptanceEstimator, ShapeRecord, prefer_tree
 from verispec.engine.draft_timing import DraftTiming
 from verispec.state.request import Request
 
@@ -85,6 +85,8 @@ class LiveRequest:
     tree_now: bool = False
     tree_estimator: AcceptanceEstimator | None = None
     shape_steps: int = 0  # steps in a row in the preferred shape (the other is retried every SHAPE_RETRY_EVERY)
+    # what the request's verified chain and tree steps did ("auto" compares them once both are measured)
+    shape_records: tuple[ShapeRecord, ShapeRecord] = field(default_factory=lambda: (ShapeRecord(), ShapeRecord()))
     # a hybrid drafter's side not drafting now (its model drafter, or while that drafts its model-free one): the
     # engine's second drafting stage switches to it where the policy verified none of the model-free draft
     other: Side | None = None
@@ -105,13 +107,17 @@ class LiveRequest:
         """The acceptance estimate of this step's draft shape (chains and the switch "draft_tree": true share one)."""
         return self.tree_estimator if self.tree_now and self.tree_estimator is not None else self.estimator
 
-    def choose_shape(self, k: int, step_s: float) -> None:
-        """"draft_tree": "auto": this step's shape by `prefer_tree`, except that every SHAPE_RETRY_EVERY-th step
-        takes the other one, so that its estimate follows the request (a shape never tried would keep its prior)."""
+    def choose_shape(self, k: int, step_s: Callable[[int], float]) -> None:
+        """"draft_tree": "auto": this step's shape by `prefer_tree` (`step_s(n)`: the step's seconds with n draft
+        rows of this request), except that every SHAPE_RETRY_EVERY-th step takes the other one, so that its estimate
+        follows the request (a shape never tried would keep its prior). A chain is priced at the mean length of its
+        measured proposals (a drafter that stops itself, or finds nothing more, proposes fewer than k)."""
         if self.tree_estimator is None:  # its drafting time starts from the chains' (unknown would be free)
             self.tree_estimator = AcceptanceEstimator(timing=self.estimator.timing.copy(),
                                                         probe_share=self.estimator.probe_share)
-        best = prefer_tree(self.estimator, self.tree_estimator, k, step_s)
+        moments = self.estimator.timing.moments
+        chain_len = None if moments is None else round(moments[0])
+        best = prefer_tree(self.estimator, self.tree_estimator, k, step_s, chain_len, self.shape_records)
         self.shape_steps += 1
         if self.shape_steps >= SHAPE_RETRY_EVERY:
             best, self.shape_steps = not best, 0
@@ -139,7 +145,7 @@ class LiveRequest:
             return EMPTY
         self.draft_s = time.perf_counter() - t
         self.proposed_tokens = min(len(d.tokens), k)
-        if d.tokens:
+        if d.tokens and d.parents is None:  # a chain's: trees carry none, and say nothing of the chains'
             self.confidences = d.confidence is not None
         return d.head(k)
 
@@ -190,6 +196,7 @@ class LiveRequest:
             self.shape_estimator.observe_draft(self.proposed_tokens, self.draft_s)
         if g:
             self.shape_estimator.update(g, accepted)
+            self.shape_records[self.tree_now].observe(g, accepted)
             self.probe = False
         elif self.shadow is not None:
             # drafted but none of it verified (the drafter's own confidences said no): whether its first token is
