@@ -600,6 +600,29 @@ def test_default_model_greedy_speculative_output_is_plain_output(q8act) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method, quantization", [("eagle3", None), ("eagle3", "q8_0"), ("dspark", "q4_1")])
+def test_shipped_drafters_in_each_block_format_keep_the_default_model_lossless(q8act, method, quantization) -> None:
+    """The shipped learned drafters beside the default model on this path, their linears rounded to the format
+    asked for (none: the default, Q4_0): greedy speculative output equals plain output with the state oracle on
+    (the drafter's state recomputed from the target's features after every step), the drafts get accepted, and
+    every output says which format ran."""
+    from verispec import SamplingParams
+    from verispec.config import DEFAULT_DRAFT_QUANTIZATION
+
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
+    plain = [o.token_ids for o in q8act.chat(msgs, params, use_tqdm=False)]
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if quantization:
+        spec["quantization"] = quantization
+    fast = q8act.with_speculation(spec, check_state=True)
+    outs = fast.chat(msgs, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain
+    assert {o.stats["drafter_weights"] for o in outs} == {(quantization or DEFAULT_DRAFT_QUANTIZATION).upper()}
+    assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.2
+
+
+@pytest.mark.slow
 def test_a_float16_kv_cache_keeps_speculation_lossless_and_halves_the_bytes_per_block() -> None:
     """`kv_cache_dtype="float16"` on the default model: the cache holds float16 K/V, a block takes half the bytes
     (so the same memory holds twice the blocks), the outputs say so, greedy speculative output (one request and

@@ -85,3 +85,4 @@ def test_learned_method_alone_picks_the_shipped_drafter_on_the_default_model():
         assert fast.spec.model == f"{DEFAULT_MODEL}-{method}"
         out = fast.generate(prompt, params, use_tqdm=False)[0]
         assert out.stats["method"] == method and out.token_ids == ref
+        assert out.stats["drafter_weights"] == "float32"  # beside a float32 target the drafter stays float

@@ -417,6 +417,7 @@ class LLM:
         stats = req.stats.as_dict()
         stats.update(req.spec.as_dict())
         stats["method"] = self.spec.method
+        stats["drafter_weights"] = self.drafters.weight_format
         stats.update(self.path_choice.as_dict())
         stats["kv_cache_dtype"] = self.kv_cache_dtype
         stats["batch_invariant"] = self.model.batch_invariant

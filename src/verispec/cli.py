@@ -270,7 +270,9 @@ def _stats_line(out: Any) -> str:
     s = out.stats
     extra = ""
     if s.get("method", "none") != "none":
-        extra = f", {s['method']}: tau {s['mean_acceptance_length']:.2f}, acceptance {s['acceptance_rate']:.2f}"
+        weights = f" ({s['drafter_weights']} drafter)" if s.get("drafter_weights") else ""
+        extra = (f", {s['method']}{weights}: tau {s['mean_acceptance_length']:.2f}, acceptance "
+                 f"{s['acceptance_rate']:.2f}")
     return (f"-- {s['output_tokens']} tokens, TTFT {s['ttft_s']:.2f} s, {s['tok_per_s']:.1f} tok/s "
             f"(decode {s['decode_tok_per_s']:.1f} tok/s){extra}, finish: {out.finish_reason}")
 

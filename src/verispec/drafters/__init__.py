@@ -54,6 +54,15 @@ class DrafterFactory:
         self.reset_shared()
 
     @property
+    def weight_format(self) -> str | None:
+        """What a learned drafter's linears run as: their GGUF block format on verispec's CPU kernel (Q8_0, Q4_1,
+        Q4_0), else their float dtype; None for the other methods (every output's stats say it)."""
+        if self.learned is None or self.cfg.method not in LEARNED_METHODS:
+            return None
+        kernel = getattr(self.learned, "kernel", None)
+        return kernel.kind if kernel is not None else str(self.learned.dtype).removeprefix("torch.")
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states every forward must capture for these drafters (() for most)."""
         return tuple(self.learned.feature_layers) if self.learned is not None else ()

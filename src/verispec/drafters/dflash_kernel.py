@@ -38,7 +38,7 @@ class DFlashKernel:
 
     def __init__(self, model: nn.Module, kind: str = "Q8_0") -> None:  # dflash_model.py's DFlashModel (no cycle)
         c = model.cfg
-        self.model, self.cfg, self.lib = model, c, load()
+        self.model, self.cfg, self.lib, self.kind = model, c, load(), kind
         self.qkv = [Q8ActWeight.from_float(torch.cat([la.q_proj.weight, la.k_proj.weight, la.v_proj.weight]), kind)
                     for la in model.layers]
         self.gate_up = [Q8ActWeight.from_float(torch.cat([la.gate_proj.weight, la.up_proj.weight]), kind)

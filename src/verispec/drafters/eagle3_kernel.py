@@ -37,7 +37,7 @@ class Eagle3Kernel:
         self.qkv_emb = Q8ActWeight.from_float(w[:, :d].contiguous(), kind)
         self.qkv_feat = Q8ActWeight.from_float(w[:, d:].contiguous(), kind)
         self.gate_up = Q8ActWeight.from_float(torch.cat([head.gate_proj.weight, head.up_proj.weight]), kind)
-        self.head = head
+        self.head, self.kind = head, kind
         self.lib = load()
 
     def qkv(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
