@@ -122,6 +122,8 @@ def test_outputs_and_metrics_say_which_path_ran_and_on_which_cpu(tiny_dir):
     body = TestClient(app).get("/metrics").text
     line = next(x for x in body.splitlines() if x.startswith("verispec:engine_config_info{"))
     assert 'path="fp32"' in line and 'quantization="none"' in line and 'device="cpu"' in line
+    assert 'speculative_method="none"' in line and 'drafter_weights="none"' in line
+    assert stats["drafter_weights"] is None
     assert f'cpu_capability="{CPU.capability}"' in line and line.endswith(" 1.0")
 
 

@@ -113,7 +113,9 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
     lifecycle = Lifecycle(shutdown_timeout)
     metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
                                               "batch_invariant": llm.model.batch_invariant,
-                                              "kv_cache_dtype": llm.kv_cache_dtype})
+                                              "kv_cache_dtype": llm.kv_cache_dtype,
+                                              "speculative_method": llm.spec.method,
+                                              "drafter_weights": llm.drafters.weight_format or "none"})
 
     app = FastAPI(title="verispec", lifespan=_lifespan(engine, manage_engine), docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")

@@ -63,7 +63,8 @@ class EngineCollector:
 
 class ConfigCollector:
     """`verispec:engine_config_info`: constant 1, labelled with what runs (weight path, dtype, quantization,
-    device) and on which CPU (model, kernel flags, torch's capability), as vLLM labels its `*_config_info`."""
+    device, the speculative method and what a learned drafter's weights run as) and on which CPU (model, kernel
+    flags, torch's capability), as vLLM labels its `*_config_info`."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = {k: "none" if v is None else str(v) for k, v in labels.items()}
