@@ -11,10 +11,11 @@ The same layer as drafters/eagle3.py (see its docstring), with the kernel's own 
   h    = f + o(attn);  h = h + down(swiglu(gate_up(RMSNorm_post(h))))     residuals and norm fused
   logits = lm_head(RMSNorm(h))                                             the draft vocabulary
 
-The weights are the head's own rounded to GGUF blocks (Q8_0 by default; `kind`; q | k | v and gate | up stacked
-along N, q | k | v split at d along K): so the numbers are near the torch path's but not its bits. Drafts may change; the output cannot (the
-target verifies every token). K/V of a position depend on its own row only (per-row norms and per-row int8
-scales), so recomputing them with `qkv` gives the same bits: the state oracle compares exactly.
+The weights are the head's own rounded to GGUF blocks (`kind`: Q8_0, Q4_1 or Q4_0; q | k | v and gate | up
+stacked along N, q | k | v split at d along K): so the numbers are near the torch path's but not its bits. Drafts
+may change; the output cannot (the target verifies every token). K/V of a position depend on its own row only
+(per-row norms and per-row int8 scales), so recomputing them with `qkv` gives the same bits: the state oracle
+compares exactly.
 """
 
 from __future__ import annotations
