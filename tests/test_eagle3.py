@@ -425,6 +425,8 @@ def test_the_drafters_block_format_is_the_users_choice_and_refused_where_it_cann
         for name, kind in [(None, DEFAULT_DRAFT_QUANTIZATION.upper()), ("q8_0", "Q8_0"), ("q4_1", "Q4_1")]:
             head = load_learned("eagle3", head_dir, target, name)
             assert {getattr(head, n).kind for n in LINEARS} == {kind} and head.kernel.qkv_feat.kind == kind, name
+        with pytest.raises(ValueError, match="Q4_1 blocks"):  # a rounded head is not a checkpoint
+            head.save_pretrained(setup["root"] / "never-q4")
     finally:
         target.decoder_kernel = None
     for bad, match in [({"method": "ngram", "quantization": "q4_0"}, "learned"),

@@ -177,7 +177,7 @@ class DFlashModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the drafter computes in (its norms'; its linears may be Q8_0 blocks, `quantize_q8act`)."""
+        """The dtype the drafter computes in (its norms'; its linears may be GGUF blocks, `quantize_q8act`)."""
         return self.norm.weight.dtype
 
     @property
@@ -271,7 +271,8 @@ class DFlashModel(nn.Module):
         from safetensors.torch import save_file
 
         if self.quantized:
-            raise ValueError("this drafter's linears were rounded to Q8_0 for inference; save the float drafter")
+            raise ValueError(f"this drafter's linears were rounded to {self.fc.kind} blocks for inference; save the "
+                             f"float drafter")
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         c = self.cfg

@@ -106,7 +106,7 @@ class Eagle3Head(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the head computes in (its norms'; its linears may be Q8_0 blocks, `quantize_q8act`)."""
+        """The dtype the head computes in (its norms'; its linears may be GGUF blocks, `quantize_q8act`)."""
         return self.norm.dtype
 
     def quantize_q8act(self, kind: str = "Q8_0") -> None:
@@ -171,7 +171,8 @@ class Eagle3Head(nn.Module):
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path, extra: dict | None = None) -> None:
         if not isinstance(self.lm_head, nn.Linear):
-            raise ValueError("this head's linears were rounded to Q8_0 for inference; save the float head")
+            raise ValueError(f"this head's linears were rounded to {self.lm_head.kind} blocks for inference; save "
+                             f"the float head")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
