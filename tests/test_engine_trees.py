@@ -189,34 +189,37 @@ def test_auto_prices_a_chain_at_its_measured_proposal_length():
         picks[length] = lv.tree_now
     assert picks == {1: False, 4: True}
 def test_auto_compares_what_each_shape_did_once_both_are_measured():
-    """After SHAPE_MEASURED verified steps of each shape, "auto" goes by what they did: the measured tokens per step
-    over the step's time at the measured rows plus the measured time per proposal (closed form below), whatever the
-    estimates say; before that, by the estimates."""
+    """After SHAPE_MEASURED steps of each shape, "auto" goes by what they did, whatever the estimates say: tokens
+    per step over the step's time at the measured rows (interpolated between whole rows) plus the drafting time per
+    step, all EMAs (closed form below); a step whose draft was cut to nothing counts (one token, no rows, its
+    drafting time). Before that, the estimates decide."""
     from verispec.engine.costs import SHAPE_MEASURED, AcceptanceEstimator, ShapeRecord, prefer_tree
 
-    def est(a, per_proposal):
-        e = AcceptanceEstimator(prior=a)
-        e.draft_cost_per_token = per_proposal / 4
-        e.draft_cost_per_proposal = per_proposal
-        return e
-
     rows = lambda n: 0.004 + 0.0012 * n  # noqa: E731
-    chain, tree = est(0.5, 0.0008), est(0.8, 0.0012)  # the estimates favour the tree
+    chain, tree = AcceptanceEstimator(prior=0.5), AcceptanceEstimator(prior=0.8)  # the estimates favour the tree
     assert prefer_tree(chain, tree, 4, rows)
     done_chain, done_tree = ShapeRecord(), ShapeRecord()
     for _ in range(SHAPE_MEASURED):
-        done_chain.observe(1, 1)  # one row, accepted: 2 tokens a step
-        done_tree.observe(4, 1)  # four rows, a path of 1: 2 tokens a step
-    assert done_chain.tokens == done_tree.tokens == 2.0 and done_tree.rows == 4.0
-    assert 2 / (rows(1) + 0.0008) > 2 / (rows(4) + 0.0012)
+        done_chain.observe(1, 1, 0.0008)  # one row, accepted: 2 tokens a step
+        done_tree.observe(4, 1, 0.0012)  # four rows, a path of 1: 2 tokens a step
+    assert (done_chain.tokens, done_tree.rows, done_tree.draft_s) == (2.0, 4.0, pytest.approx(0.0012))
+    assert done_chain.rate(rows) == pytest.approx(2 / (rows(1) + 0.0008))
+    assert done_chain.rate(rows) > done_tree.rate(rows)
     assert not prefer_tree(chain, tree, 4, rows, measured=(done_chain, done_tree))
     for _ in range(3):  # three steps of five tokens: the EMA (weight 0.25) goes 2 -> 5 - 3 x 0.75^3
-        done_tree.observe(4, 4)
+        done_tree.observe(4, 4, 0.0012)
     assert done_tree.tokens == pytest.approx(5 - 3 * 0.75**3)
     assert done_tree.tokens / (rows(4) + 0.0012) > 2 / (rows(1) + 0.0008)
     assert prefer_tree(chain, tree, 4, rows, measured=(done_chain, done_tree))
+    for _ in range(6):  # the trees' drafts now cut to nothing on most steps: 1 token, no rows, drafting spent
+        done_tree.observe(0, 0, 0.0012)
+    r, t = done_tree.rows, done_tree.tokens
+    want = t / (rows(0) + r * (rows(1) - rows(0)) + 0.0012)  # 0 < rows < 1: interpolated
+    assert 0 < r < 1 and done_tree.rate(rows) == pytest.approx(want)
+    assert done_tree.rate(rows) < done_chain.rate(rows)
+    assert not prefer_tree(chain, tree, 4, rows, measured=(done_chain, done_tree))
     fresh = ShapeRecord()
-    fresh.observe(1, 1)
+    fresh.observe(1, 1, 0.0008)
     assert prefer_tree(chain, tree, 4, rows, measured=(fresh, done_tree))  # one shape under-measured: estimates
 
 

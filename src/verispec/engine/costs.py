@@ -314,38 +314,44 @@ class AcceptanceEstimator:
             self.pos_rates[j] = self.decay * self.pos_rates[j] + (1 - self.decay) * (j < accepted)
 
 
-SHAPE_MEASURED = 3  # verified steps of each shape before "auto" compares what the shapes did, not its estimates
+SHAPE_MEASURED = 3  # steps of each shape before "auto" compares what the shapes did, not its estimates
 
 
 @dataclass
 class ShapeRecord:
-    """What one draft shape's verified steps did in a request: EMAs of the tokens a step committed (1 + accepted)
-    and of the draft rows it verified, and how many such steps there were."""
+    """What one draft shape's steps did in a request, every step it was chosen (a step whose draft the policy cut
+    to nothing counts too: one token, no rows): EMAs of the tokens the step committed (1 + accepted), the draft rows
+    it verified and the seconds its drafter spent, and how many steps there were."""
 
     tokens: float = 0.0
     rows: float = 0.0
+    draft_s: float = 0.0
     steps: int = 0
     weight: float = 0.25  # the newest step's
 
-    def observe(self, rows: int, accepted: int) -> None:
+    def observe(self, rows: int, accepted: int, draft_s: float) -> None:
         w = self.weight if self.steps else 1.0
         self.tokens = (1 - w) * self.tokens + w * (1 + accepted)
         self.rows = (1 - w) * self.rows + w * rows
+        self.draft_s = (1 - w) * self.draft_s + w * draft_s
         self.steps += 1
 
-    def rate(self, step_s: Callable[[int], float], draft_s: float) -> float:
-        """Committed tokens per second: a step's tokens over its forward with that many rows and one proposal."""
-        return self.tokens / (step_s(max(1, round(self.rows))) + draft_s)
+    def rate(self, step_s: Callable[[int], float]) -> float:
+        """Committed tokens per second: a step's tokens over its forward at its rows (interpolated between whole
+        rows) plus its drafting."""
+        lo = int(self.rows)
+        forward = step_s(lo) + (self.rows - lo) * (step_s(lo + 1) - step_s(lo))
+        return self.tokens / (forward + self.draft_s)
 
 
 def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, step_s: Callable[[int], float],
                 chain_len: int | None = None, measured: tuple[ShapeRecord, ShapeRecord] | None = None) -> bool:
     """The draft shape of one request at up to k draft positions ("draft_tree": "auto"): True for a tree.
 
-    Once each shape has SHAPE_MEASURED verified steps in `measured` (chain, tree), the shape whose steps committed
-    more tokens per second wins: their measured tokens per step over the step's time at their measured rows plus
-    their measured time per proposal (what the estimates below model, with the policy's cuts and a drafter's own
-    stops included). Before that, from the estimates: a tree puts its k nodes into the step's forward; a chain its
+    Once each shape has SHAPE_MEASURED steps in `measured` (chain, tree), the shape whose steps committed more
+    tokens per second wins: their measured tokens per step over the step's time at their measured rows plus their
+    measured drafting time per step (what the estimates below model, with the policy's cuts, steps it drafted
+    nothing in and a drafter's own stops included). Before that, from the estimates: a tree puts its k nodes into the step's forward; a chain its
     `chain_len` tokens (k where None; fewer for a drafter that stops its own drafts where its confidence falls:
     what its proposals have measured). `step_s(n)` is the step's time with n draft rows of this request. The shapes
     differ in the tokens a step is expected to commit, 1 + sum over depths j of P(depth j is reached) (each
@@ -354,8 +360,7 @@ def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, s
     """
     if measured is not None and min(r.steps for r in measured) >= SHAPE_MEASURED:
         done_chain, done_tree = measured
-        return (done_tree.rate(step_s, tree.draft_cost_per_proposal)
-                > done_chain.rate(step_s, chain.draft_cost_per_proposal))
+        return done_tree.rate(step_s) > done_chain.rate(step_s)
     n_chain = k if chain_len is None else max(1, min(k, chain_len))
 
     def rate(e: AcceptanceEstimator, n: int) -> float:

@@ -85,7 +85,7 @@ class LiveRequest:
     tree_now: bool = False
     tree_estimator: AcceptanceEstimator | None = None
     shape_steps: int = 0  # steps in a row in the preferred shape (the other is retried every SHAPE_RETRY_EVERY)
-    # what the request's verified chain and tree steps did ("auto" compares them once both are measured)
+    # what the request's chain and tree steps did ("auto" compares them once both are measured)
     shape_records: tuple[ShapeRecord, ShapeRecord] = field(default_factory=lambda: (ShapeRecord(), ShapeRecord()))
     # a hybrid drafter's side not drafting now (its model drafter, or while that drafts its model-free one): the
     # engine's second drafting stage switches to it where the policy verified none of the model-free draft
@@ -192,11 +192,11 @@ class LiveRequest:
         step's draft shape, and the probe schedule. committed: the token the target committed at the draft's first
         position; step_s: the step's forward time."""
         g = len(self.draft.tokens)
+        self.shape_records[self.tree_now].observe(g, accepted if g else 0, self.draft_s)
         if self.proposed:
             self.shape_estimator.observe_draft(self.proposed_tokens, self.draft_s)
         if g:
             self.shape_estimator.update(g, accepted)
-            self.shape_records[self.tree_now].observe(g, accepted)
             self.probe = False
         elif self.shadow is not None:
             # drafted but none of it verified (the drafter's own confidences said no): whether its first token is
