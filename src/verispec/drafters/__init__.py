@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verispec.config import DEFAULT_DRAFT_QUANTIZATION, LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
+from verispec.config import LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
 from verispec.drafters.base import Drafter
 from verispec.execution.sampling import SamplingParams
 
@@ -154,13 +154,13 @@ DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | No
 assert tuple(DRAFTERS) == SPEC_METHODS, "every speculative method needs a drafter constructor"
 
 
-def _load_eagle3(method: str, directory, target, path: str, kind: str):
+def _load_eagle3(method: str, directory, target, path: str, kind: str | None):
     from verispec.drafters.eagle3 import load
 
     return load(directory, target, kind=kind)
 
 
-def _load_block(method: str, directory, target, path: str, kind: str):
+def _load_block(method: str, directory, target, path: str, kind: str | None):
     from verispec.drafters.dflash import load
 
     model = load(directory, target, kind=kind)
@@ -172,7 +172,7 @@ def _load_block(method: str, directory, target, path: str, kind: str):
 
 
 # learned method -> the loader of its trained module (method, checkpoint directory, target, what the user gave,
-# the GGUF block format of its linears beside a gguf-q8act target)
+# the GGUF block format of its linears beside a gguf-q8act target, None: the default)
 LEARNED_LOADERS: dict[str, Callable[..., Any]] = {
     "eagle3": _load_eagle3,
     "dflash": _load_block,
@@ -193,4 +193,4 @@ def load_learned(method: str, path: str, target, quantization: str | None = None
     if quantization is not None and getattr(target, "decoder_kernel", None) is None:
         raise ValueError(f"quantization {quantization!r}: learned drafters are rounded to GGUF blocks only beside a "
                          f"target on the gguf-q8act path (a GGUF target, dtype auto on a CPU that picks it)")
-    return loader(method, resolve(path), target, path, (quantization or DEFAULT_DRAFT_QUANTIZATION).upper())
+    return loader(method, resolve(path), target, path, quantization.upper() if quantization else None)

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.config import DEFAULT_DRAFT_QUANTIZATION
 from verispec.drafters import draft_vocab
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.draft_vocab import DraftVocab
@@ -47,9 +48,10 @@ from verispec.models.tree import TreeDraft
 TREE_TOPK = 4  # children considered per expanded node
 
 
-def load(path: str | Path, target, inference: bool = True, kind: str = "Q8_0") -> DFlashModel:
+def load(path: str | Path, target, inference: bool = True, kind: str | None = None) -> DFlashModel:
     """A trained DFlash / DSpark checkpoint for `target`, in the target's dtype and device; for inference beside a
-    gguf-q8act target, on the same kernel with its linears in `kind` blocks (`DFlashModel.quantize_q8act`), and
+    gguf-q8act target, on the same kernel with its linears in `kind` blocks (`DFlashModel.quantize_q8act`; None:
+    config.DEFAULT_DRAFT_QUANTIZATION, what the engine loads), and
     with the draft vocabulary stored beside it where there is one (drafters/draft_vocab.py); `inference=False`:
     float, full vocabulary, to train or export."""
     model = DFlashModel.from_pretrained(path, target)
@@ -58,7 +60,7 @@ def load(path: str | Path, target, inference: bool = True, kind: str = "Q8_0") -
         w2 = model.markov.w2.weight if model.markov is not None else None
         model.vocab = DraftVocab(ids, model.parts.out_weight, w2, kernel=target.decoder_kernel is not None)
     if inference and target.decoder_kernel is not None:
-        model.quantize_q8act(target.head_weight, kind)
+        model.quantize_q8act(target.head_weight, kind or DEFAULT_DRAFT_QUANTIZATION.upper())
     return model
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from verispec.config import DEFAULT_DRAFT_QUANTIZATION
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
 from verispec.drafters.features import own
 from verispec.drafters.tree_growth import Growth, frontier_width
@@ -181,10 +182,10 @@ class Eagle3Head(nn.Module):
         (out / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
-def load(path: str | Path, target: LlamaModel, inference: bool = True, kind: str = "Q8_0") -> Eagle3Head:
+def load(path: str | Path, target: LlamaModel, inference: bool = True, kind: str | None = None) -> Eagle3Head:
     """A head saved by `save_pretrained` (verispec layout) for `target`, in the target's dtype and device; for
-    inference beside a gguf-q8act target, on the same kernel with its linears in `kind` blocks (`quantize_q8act`);
-    `inference=False`: float, to train."""
+    inference beside a gguf-q8act target, on the same kernel with its linears in `kind` blocks (`quantize_q8act`;
+    None: config.DEFAULT_DRAFT_QUANTIZATION, what the engine loads); `inference=False`: float, to train."""
     p = Path(path)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is not an EAGLE-3 checkpoint (config.json missing)")
@@ -198,7 +199,7 @@ def load(path: str | Path, target: LlamaModel, inference: bool = True, kind: str
     head.load_state_dict(load_file(str(p / "model.safetensors")))
     head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     if inference and target.decoder_kernel is not None:  # the gguf-q8act target: the head on the same kernel
-        head.quantize_q8act(kind)
+        head.quantize_q8act(kind or DEFAULT_DRAFT_QUANTIZATION.upper())
     return head
 
 

@@ -351,9 +351,10 @@ def prefer_tree(chain: AcceptanceEstimator, tree: AcceptanceEstimator, k: int, s
     Once each shape has SHAPE_MEASURED steps in `measured` (chain, tree), the shape whose steps committed more
     tokens per second wins: their measured tokens per step over the step's time at their measured rows plus their
     measured drafting time per step (what the estimates below model, with the policy's cuts, steps it drafted
-    nothing in and a drafter's own stops included). Before that, from the estimates: a tree puts its k nodes into the step's forward; a chain its
-    `chain_len` tokens (k where None; fewer for a drafter that stops its own drafts where its confidence falls:
-    what its proposals have measured). `step_s(n)` is the step's time with n draft rows of this request. The shapes
+    nothing in and a drafter's own stops included). Before that, from the estimates: a tree puts its k nodes into
+    the step's forward; a chain its `chain_len` tokens (k where None; fewer for a drafter that stops its own
+    drafts where its confidence falls: what its proposals have measured). `step_s(n)` is the step's time with n
+    draft rows of this request. The shapes
     differ in the tokens a step is expected to commit, 1 + sum over depths j of P(depth j is reached) (each
     shape's own online estimate, `position_survival`, up to its rows), in the rows verified and in drafting time,
     what each shape's measured proposals say its tokens cost. A tie keeps the chain.

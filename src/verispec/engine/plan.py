@@ -192,7 +192,8 @@ class LiveRequest:
         step's draft shape, and the probe schedule. committed: the token the target committed at the draft's first
         position; step_s: the step's forward time."""
         g = len(self.draft.tokens)
-        self.shape_records[self.tree_now].observe(g, accepted if g else 0, self.draft_s)
+        if self.tree_estimator is not None:  # "draft_tree": "auto" (`choose_shape`) compares the shapes' records
+            self.shape_records[self.tree_now].observe(g, accepted if g else 0, self.draft_s)
         if self.proposed:
             self.shape_estimator.observe_draft(self.proposed_tokens, self.draft_s)
         if g:
