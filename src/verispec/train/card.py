@@ -74,6 +74,7 @@ def write_card(directory: str | Path, method: str, *, commands: list[str], data_
 
 
 CURVE_HEADING = "## Learning curve"
+SPEED_HEADING = "## What the speed target would take"
 CURVE_PNG = "learning_curve.png"
 
 
@@ -94,14 +95,21 @@ def add_curve_section(directory: str | Path, method: str, *, target: float | Non
     section = [CURVE_HEADING, "", f"![learning curve]({CURVE_PNG})", "", ex.sentence()]
     if note:
         section += ["", note]
-    card = d / "README.md"
-    text = card.read_text() if card.exists() else ""
-    if CURVE_HEADING in text:  # replace up to the next section
-        head, rest = text.split(CURVE_HEADING, 1)
-        nxt = rest.find("\n## ")
-        text = head.rstrip("\n") + "\n\n" + (rest[nxt + 1:] if nxt >= 0 else "")
-    block = "\n".join(section) + "\n\n"
-    i = text.find("## Notes")
-    text = text[:i] + block + text[i:] if i >= 0 else text.rstrip("\n") + "\n\n" + block
-    card.write_text(text)
+    put_section(d / "README.md", CURVE_HEADING, "\n".join(section))
     return ex.sentence()
+
+
+def put_section(card: str | Path, heading: str, text: str) -> None:
+    """Put `text` (a section starting with `heading`) into the card, replacing the card's section of that heading
+    (up to the next "## ") where it has one: before "## Notes" where the card has that, else at the end."""
+    card = Path(card)
+    assert text.startswith(heading + "\n"), f"a section starts with its heading {heading!r}"
+    body = card.read_text() if card.exists() else ""
+    if heading + "\n" in body:  # take the old section out
+        head, rest = body.split(heading + "\n", 1)
+        nxt = rest.find("\n## ")
+        body = head.rstrip("\n") + "\n\n" + (rest[nxt + 1:] if nxt >= 0 else "")
+    block = text.rstrip("\n") + "\n\n"
+    i = body.find("## Notes")
+    body = body[:i] + block + body[i:] if i >= 0 else body.rstrip("\n") + "\n\n" + block
+    card.write_text(body)

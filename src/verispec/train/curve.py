@@ -108,12 +108,19 @@ class Extrapolation:
             return head + f"; the target {self.target:g} is already reached."
         if self.positions is None:
             return head + f": it does not rise, so more of the same training does not reach {self.target:g}."
-        out = head + f"; reaching {self.target:g} would take about {_sig(self.positions)} trained positions"
+        return (head + f"; reaching {self.target:g} would take {self.cost()}, if the log-linear trend held that far "
+                "(an extrapolation far beyond the measured range).")
+
+    def cost(self) -> str:
+        """'about N trained positions (H hours at this run's rate on this machine, D response tokens of data at its
+        passes over the data)', as far as the run's log says; the positions must be known."""
+        assert self.positions is not None, "the fit does not reach the target"
+        out = f"about {_sig(self.positions)} trained positions"
         if self.seconds is not None:
             out += f" ({_sig(self.seconds / 3600)} hours at this run's rate on this machine"
             out += f", {_sig(self.data_tokens)} response tokens of data at its passes over the data)" \
                 if self.data_tokens is not None else ")"
-        return out + ", if the log-linear trend held that far (an extrapolation far beyond the measured range)."
+        return out
 
 
 def extrapolate(log: dict, method: str, target: float | None = None, offset: float = 0.0,
