@@ -761,7 +761,7 @@ def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method, ki
     feats = torch.randn(n, len(c.feature_layers) * c.hidden_size, generator=g)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a - b).norm() / b.norm())
+        return float((a - b).detach().norm() / b.detach().norm())
 
     with torch.no_grad():
         got = kern.context_kv(feats, torch.arange(n))
