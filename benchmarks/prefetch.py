@@ -1,24 +1,27 @@
-"""Where the kernel's AVX-512 body fetches its weight streams ahead to (L1 or L2), end to end: plain decoding and
-n-gram speculation under dspark, the two levels side by side.
+"""Where the kernel fetches its weight streams ahead to, end to end: plain decoding and n-gram (or learned
+drafters') speculation under dspark, the levels side by side.
 
 From 4 rows on, the AVX-512 VNNI body reads two tiles of weights per vector, in two streams fetched ahead by
-software prefetch. Into L1 (the build's first choice, measured on an Ice Lake CPU) or into L2 (measured faster on
-a Zen 4 CPU: two streams 64 tiles ahead overflow its 32 KB L1): the loader times both at start and keeps the
-faster (`execution/cpu_kernels.py` `choose_prefetch`); this benchmark shows what the choice is worth to a verify
-step. The level changes no bit: every arm's output is compared with plain decoding's.
+software prefetch: into L1 (the build's first choice, measured on an Ice Lake CPU), into L2 (measured faster on a
+Zen 4 CPU: two streams 64 tiles ahead overflow its 32 KB L1) or non-temporally. Fewer rows (every row count on the
+AVX2 body) read one stream: into L1 or non-temporally (a CPU may then keep the forward's ~100 MB from evicting the
+KV cache and the Python and torch state the step runs after it). The loader times the levels at start and keeps
+the fastest (`execution/cpu_kernels.py` `choose_prefetch`, `choose_row_prefetch`); this benchmark shows what the
+choices are worth to whole requests. No level changes a bit: every arm's output is compared with plain decoding's.
 
-The arms: plain (the loader's level), plain with L1, then for each of `--drafters` (default n-gram; `eagle3`,
-`dflash`, `dspark`: the shipped drafters, K up to 4 for them) under dspark with L1 and with the loader's level. A
-plain step is one row and never reaches the pair streams, so the two plain arms differ only by noise: their ratio
-is the run's noise floor.
+The arms: plain (the loader's levels), plain at each other pair of `--levels` (pair streams; default all three)
+and `--row-levels` (single-tile streams; default the loader's), then each of `--drafters` (default n-gram;
+`eagle3`, `dflash`, `dspark`: the shipped drafters, K up to 4 for them) under dspark at each pair. Plain steps are
+one row and reach the pair streams only in prefill: plain arms that differ in the pair level alone differ by
+little more than noise, a floor to read the rest against.
 
 Conditions (MEASURE.md): concurrency 1, in process, the default model on `dtype auto`; greedy, `--max-tokens`,
 the first `--limit` prompts of each shipped workload, `--repeats` repeats, the arms interleaved (order rotated per
 prompt and repeat). Metric: output tok/s of one stream, prefill included. Baseline: plain decoding on the same
 prompts in the same repeat (`pooled`: all tokens / all seconds per repeat; `per prompt`: median (min..max)).
 
-    python benchmarks/prefetch.py --limit 10 --repeats 2      (about 4 minutes on a 2-core CPU)
-    python benchmarks/prefetch.py --drafters ngram,eagle3 --workloads code,chat --limit 27
+    python benchmarks/prefetch.py --limit 10 --repeats 2 --levels l1,l2      (about 4 minutes on a 2-core CPU)
+    python benchmarks/prefetch.py --drafters eagle3 --levels l2 --row-levels l1,nta --workloads code,chat,markdown
 """
 
 from __future__ import annotations
@@ -28,46 +31,68 @@ import sys
 from verispec import LLM
 from verispec.bench.interleave import compare_arms
 from verispec.bench.single import method_spec
-from verispec.execution.cpu_kernels import load
+from verispec.execution.cpu_kernels import PREFETCH_LEVELS, ROW_PREFETCH_LEVELS, load
 
 LEARNED_K = 4  # most draft tokens per step for the learned drafters (their speed's best in earlier runs)
 
 
 class AtLevel:
-    """An engine whose requests run with the kernel's pair streams fetched ahead into `level`."""
+    """An engine whose requests run with the kernel's pair streams fetched ahead to `level` and its single-tile
+    streams to `row_level`."""
 
-    def __init__(self, llm: LLM, level: str) -> None:
-        self.llm, self.level, self.lib = llm, level, load()
+    def __init__(self, llm: LLM, level: str, row_level: str) -> None:
+        self.llm, self.level, self.row_level, self.lib = llm, level, row_level, load()
 
     def __getattr__(self, name: str):
         return getattr(self.llm, name)
 
     def chat(self, *args, **kwargs):
-        with self.lib.prefetching(self.level):
+        with self.lib.prefetching(self.level), self.lib.row_prefetching(self.row_level):
             return self.llm.chat(*args, **kwargs)
 
 
-def arms_for(drafters: list[str]):
+def arms_for(drafters: list[str], levels: list[str], row_levels: list[str]):
     def arms(base: LLM, k: int) -> dict:
         lib = load()
         if lib.body != "avx512-vnni":
             raise SystemExit(f"the {lib.body} body runs here: only the AVX-512 body has the prefetch levels")
         print(f"verispec's kernel: {lib.describe()}")
-        out = {"plain": base, "plain, L1": AtLevel(base, "l1")}
-        for name in drafters:
-            spec = base.with_speculation(method_spec(name, k if name == "ngram" else LEARNED_K))
-            out[f"{name} dspark, L1"] = AtLevel(spec, "l1")
-            out[f"{name} dspark, {lib.prefetch.upper()} (chosen)"] = AtLevel(spec, lib.prefetch)
+
+        def name(level: str, row: str) -> str:
+            chosen = " (chosen)" if (level, row) == (lib.prefetch, lib.row_prefetch) else ""
+            return f"{level.upper()}, rows {row.upper()}{chosen}"
+
+        out = {"plain": base}  # the loader's levels
+        for level in levels:
+            for row in row_levels:
+                if (level, row) != (lib.prefetch, lib.row_prefetch):
+                    out[f"plain, {name(level, row)}"] = AtLevel(base, level, row)
+        for drafter in drafters:
+            spec = base.with_speculation(method_spec(drafter, k if drafter == "ngram" else LEARNED_K))
+            for level in levels:
+                for row in row_levels:
+                    out[f"{drafter} dspark, {name(level, row)}"] = AtLevel(spec, level, row)
         return out
 
     return arms
 
 
+def take(argv: list[str], flag: str, default: str) -> list[str]:
+    """The comma list after `flag` in argv (removed from it), else `default`'s."""
+    if flag not in argv:
+        return default.split(",")
+    i = argv.index(flag)
+    value = argv[i + 1]
+    del argv[i : i + 2]
+    return value.split(",")
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    drafters = ["ngram"]
-    if "--drafters" in argv:
-        i = argv.index("--drafters")
-        drafters = argv[i + 1].split(",")
-        del argv[i : i + 2]
-    sys.exit(compare_arms(__doc__, arms_for(drafters), argv, default_limit=10))
+    lib = load()
+    drafters = take(argv, "--drafters", "ngram")
+    levels = take(argv, "--levels", ",".join(PREFETCH_LEVELS))
+    row_levels = take(argv, "--row-levels", lib.row_prefetch)
+    if set(levels) - set(PREFETCH_LEVELS) or set(row_levels) - set(ROW_PREFETCH_LEVELS):
+        raise SystemExit(f"--levels: {', '.join(PREFETCH_LEVELS)}; --row-levels: {', '.join(ROW_PREFETCH_LEVELS)}")
+    sys.exit(compare_arms(__doc__, arms_for(drafters, levels, row_levels), argv, default_limit=10))

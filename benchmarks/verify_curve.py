@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--bodies", action="store_true", help="gguf-q8act once per matmul body built here")
     ap.add_argument("--prefetch", action="store_true",
-                    help="gguf-q8act once per prefetch level of the AVX-512 body's weight streams (l1, l2)")
+                    help="gguf-q8act once per prefetch level of the AVX-512 body's pair streams (l1, l2, nta)")
     ap.add_argument("--attention-rows", default=None,
                     help="gguf-q8act also with at most N rows of a sequence per attention task (comma-separated)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="block sizes M (must include 1 and 8)")

@@ -22,7 +22,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from verispec.execution.cpu_kernels import BODIES, BODY_NAMES, KernelUnavailable, load
+from verispec.execution.cpu_kernels import (BODIES, BODY_NAMES, PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS,
+                                          KernelUnavailable, load)
 
 try:
     LIB = load()
@@ -147,21 +148,49 @@ needs_avx512 = pytest.mark.skipif("avx512-vnni" not in LIB.bodies, reason="this 
 @needs_avx512
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_pair_streams_prefetch_level_changes_no_bit(kind: str) -> None:
-    """The AVX-512 body from 4 rows on (two tiles per vector) with its weights fetched ahead into L1 and into L2:
-    both the portable body's bits, and the level the loader chose is back in force after the block."""
+    """The AVX-512 body from 4 rows on (two tiles per vector) with its weights fetched ahead into L1, into L2 and
+    non-temporally: each the portable body's bits, and the level the loader chose is back in force after the block
+    (the C setter returns the level in force, and refuses a level it does not have)."""
     k, n = 160, 72
     w = Q8ActWeight(random_raw(kind, n, k, seed=5), kind, n, k)
     for m in (4, 5, 8, 13):
         x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ref = torch.empty(m, n)
         LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
-        for level in ("l1", "l2"):
+        for level in PREFETCH_LEVELS:
             with LIB.prefetching(level):
+                assert LIB.lib.vs_set_prefetch(PREFETCH_CODES[level]) == PREFETCH_CODES[level]
                 got = torch.empty(m, n)
                 LIB.linear(w.tiles, kind, n, k, x, got, body="avx512-vnni")
             assert torch.equal(got, ref), (level, m)
-    with pytest.raises(ValueError, match="not one of l1, l2"):
+    assert LIB.lib.vs_set_prefetch(PREFETCH_CODES[LIB.prefetch]) == PREFETCH_CODES[LIB.prefetch]
+    assert LIB.lib.vs_set_prefetch(3) == -1 and LIB.lib.vs_set_prefetch(-1) == -1
+    with pytest.raises(ValueError, match="not one of l1, l2, nta"):
         with LIB.prefetching("l3"):
+            pass
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_single_tile_streams_prefetch_level_changes_no_bit(kind: str) -> None:
+    """Every vector body's single-tile streams (1 to 3 rows on the AVX-512 body, every row count on the AVX2 one)
+    fetched ahead into L1 and non-temporally: the portable body's bits, the loader's level back after the block."""
+    k, n = 160, 72
+    w = Q8ActWeight(random_raw(kind, n, k, seed=6), kind, n, k)
+    for body in [b for b in LIB.bodies if b != "portable"]:
+        for m in (1, 2, 3, 5):
+            x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            ref = torch.empty(m, n)
+            LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
+            for level in ROW_PREFETCH_LEVELS:
+                with LIB.row_prefetching(level):
+                    got = torch.empty(m, n)
+                    LIB.linear(w.tiles, kind, n, k, x, got, body=body)
+                assert torch.equal(got, ref), (body, level, m)
+    chosen = int(LIB.row_prefetch == "nta")
+    assert LIB.lib.vs_set_row_prefetch(chosen) == chosen
+    assert LIB.lib.vs_set_row_prefetch(2) == -1 and LIB.lib.vs_set_row_prefetch(-1) == -1
+    with pytest.raises(ValueError, match="not one of l1, nta"):
+        with LIB.row_prefetching("l2"):
             pass
 
 
@@ -183,7 +212,37 @@ def test_the_prefetch_level_is_timed_only_for_the_avx512_body_and_can_be_named(m
         choose_prefetch(avx512)
     monkeypatch.delenv(PREFETCH_ENV)
     level, why = choose_prefetch(avx512, repeats=1)
-    assert level in ("l1", "l2") and "L1" in why and "L2" in why and "one forward's linears" in why
+    assert level in PREFETCH_LEVELS and all(f"{lv.upper()} " in why for lv in PREFETCH_LEVELS)
+    assert "one forward's linears" in why
+
+
+def test_the_row_prefetch_level_is_timed_for_the_vector_bodies_kept_and_can_be_named(tmp_path, monkeypatch) -> None:
+    import dataclasses
+    import json
+
+    import verispec.execution.cpu_kernels as kernels
+    from verispec.execution.cpu_kernels import ROW_PREFETCH_ENV, choose_row_prefetch
+
+    assert choose_row_prefetch(dataclasses.replace(LIB, body="portable")) == ("l1", "")  # nothing to fetch ahead
+    vector = [b for b in LIB.bodies if b != "portable"]
+    if not vector:
+        return
+    lib = dataclasses.replace(LIB, body=vector[-1])
+    monkeypatch.setenv(ROW_PREFETCH_ENV, "nta")
+    assert choose_row_prefetch(lib) == ("nta", f"{ROW_PREFETCH_ENV}=nta")
+    monkeypatch.setenv(ROW_PREFETCH_ENV, "l2")  # a pair level, not a row level
+    with pytest.raises(KernelUnavailable, match="not one of l1, nta"):
+        choose_row_prefetch(lib)
+    monkeypatch.delenv(ROW_PREFETCH_ENV)
+    monkeypatch.setattr(kernels, "machine_busy", lambda: False)
+    level, why = choose_row_prefetch(lib, repeats=1, cache=tmp_path)
+    assert level in ROW_PREFETCH_LEVELS and "L1 " in why and "NTA " in why and "M = 1" in why
+    kept, = (tmp_path / "kernels").glob("row-prefetch-*.json")
+    assert json.loads(kept.read_text())["level"] == level
+    other = "l1" if level == "nta" else "nta"  # a later start reads the file, not a new measurement
+    kept.write_text(json.dumps({"level": other, "why": "written by the test"}))
+    assert choose_row_prefetch(lib, repeats=1, cache=tmp_path) == (other, "written by the test, cached")
+    assert not list((tmp_path / "kernels").glob("prefetch-*.json"))  # the pair level's file is another
 
 
 @needs_avx512
@@ -555,6 +614,7 @@ def test_default_model_outputs_say_which_matmul_body_ran(q8act) -> None:
     out = q8act.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.stats["quantization"] == "gguf-q8act" and out.stats["kernel_body"] == LIB.body
     assert out.stats.get("kernel_prefetch") == (LIB.prefetch if LIB.prefetch_choice else None)
+    assert out.stats.get("kernel_row_prefetch") == (LIB.row_prefetch if LIB.row_prefetch_choice else None)
     assert f"verispec's kernel: {BODY_NAMES[LIB.body]} body" in q8act.path_choice.describe()
 
 

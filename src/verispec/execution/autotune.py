@@ -70,6 +70,8 @@ class PathChoice:
             out["kernel_body"] = lib.body
             if lib.prefetch_choice:  # where its pair streams were fetched ahead to (measured at load)
                 out["kernel_prefetch"] = lib.prefetch
+            if lib.row_prefetch_choice:  # and its streams of fewer rows
+                out["kernel_row_prefetch"] = lib.row_prefetch
         return out
 
 

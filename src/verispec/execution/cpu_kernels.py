@@ -12,9 +12,10 @@ and vpdpbusd for the integer sums), none otherwise (only the portable body, whic
 Every body computes the same bits (the tests hold each to the portable one), so which one runs is a question of
 speed only: at load the vector bodies built here are timed on the default model's layer shapes at one and eight
 rows, the faster runs (`Library.body`, `Library.choice` says why), and every report says which. The AVX-512 body's
-weight streams for 4 rows and more are fetched ahead into L1 or L2, whichever is faster on the linears of one
-forward streamed from memory, measured once per machine and kept (`Library.prefetch`, `choose_prefetch`; no bit
-changes). OpenMP is used
+weight streams for 4 rows and more are fetched ahead into L1, L2 or non-temporally, whichever is faster on the linears
+of one forward streamed from memory, measured once per machine and kept (`Library.prefetch`, `choose_prefetch`);
+the streams of fewer rows (both vector bodies) into L1 or non-temporally, whichever makes a one-row forward and the
+small work after it faster (`Library.row_prefetch`, `choose_row_prefetch`): no bit changes. OpenMP is used
 where the compiler has it; torch's own OpenMP runtime, already loaded, serves the library, so its threads are
 torch's threads. Without a compiler the path is simply not offered, and why is said once.
 """
@@ -38,6 +39,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from verispec.execution.cpu import cpu_info, machine_busy
@@ -51,8 +53,13 @@ AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 BODIES = {"portable": 1, "avx2": 2, "avx512-vnni": 3}  # the C enum VS_BODY_*; 0 = the active one
 BODY_ENV = "VERISPEC_CPU_BODY"  # names the body to run instead of timing them
 BODY_NAMES = {"portable": "portable C", "avx2": "AVX2+FMA+F16C", "avx512-vnni": "AVX-512 VNNI"}
-PREFETCH_LEVELS = ("l1", "l2")  # where the AVX-512 body's pair streams are fetched ahead to (vs_set_pair_prefetch)
+# where the AVX-512 body's pair streams (4 rows and more) are fetched ahead to (vs_set_prefetch)
+PREFETCH_LEVELS = ("l1", "l2", "nta")
+PREFETCH_CODES = {"l1": 0, "l2": 1, "nta": 2}
 PREFETCH_ENV = "VERISPEC_CPU_PREFETCH"  # names the level instead of timing the levels
+# where the vector bodies' single-tile streams (fewer rows) are fetched ahead to (vs_set_row_prefetch)
+ROW_PREFETCH_LEVELS = ("l1", "nta")
+ROW_PREFETCH_ENV = "VERISPEC_CPU_ROW_PREFETCH"  # names the level instead of timing the levels
 
 
 class KernelUnavailable(RuntimeError):
@@ -68,8 +75,10 @@ class Library:
     bodies: tuple[str, ...] = ("portable",)  # the matmul bodies built in (BODIES' names)
     body: str = "portable"  # the one that runs (vs_set_body), the fastest measured at load
     choice: str = ""  # why: the timings that chose it
-    prefetch: str = "l1"  # where the AVX-512 body's pair streams are fetched ahead to, the faster measured at load
+    prefetch: str = "l1"  # where the AVX-512 body's pair streams are fetched ahead to, the fastest measured at load
     prefetch_choice: str = ""  # why (empty where the AVX-512 body does not run)
+    row_prefetch: str = "l1"  # where the single-tile streams of fewer rows are fetched ahead to, measured at load
+    row_prefetch_choice: str = ""  # why (empty where no vector body runs)
 
     @property
     def avx2(self) -> bool:
@@ -85,6 +94,10 @@ class Library:
     def describe(self) -> str:
         prefetch = (f", from 4 rows on weights fetched ahead into {self.prefetch.upper()} ({self.prefetch_choice})"
                     if self.prefetch_choice else "")
+        if self.row_prefetch_choice:
+            rows = "below 4 rows" if self.body == "avx512-vnni" else "weights fetched ahead"
+            prefetch += (f", {rows} {'non-temporally' if self.row_prefetch == 'nta' else 'into L1'} "
+                         f"({self.row_prefetch_choice})")
         return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}{prefetch}, "
                 f"{'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}")
 
@@ -126,15 +139,28 @@ class Library:
 
     @contextlib.contextmanager
     def prefetching(self, level: str) -> Iterator[None]:
-        """Inside the block the AVX-512 body's pair streams are fetched ahead into `level` ("l1" or "l2"); after it,
-        `self.prefetch` again. For benchmarks that compare the two side by side (the bits are the same in each)."""
+        """Inside the block the weight streams are fetched ahead to `level` ("l1", "l2": the AVX-512 body's pair
+        streams into L2, "nta": every stream non-temporal); after it, `self.prefetch` again. For benchmarks that
+        compare them side by side (the bits are the same in each)."""
         if level not in PREFETCH_LEVELS:
             raise ValueError(f"prefetch level {level!r} is not one of {', '.join(PREFETCH_LEVELS)}")
-        self.lib.vs_set_pair_prefetch(int(level == "l2"))
+        self.lib.vs_set_prefetch(PREFETCH_CODES[level])
         try:
             yield
         finally:
-            self.lib.vs_set_pair_prefetch(int(self.prefetch == "l2"))
+            self.lib.vs_set_prefetch(PREFETCH_CODES[self.prefetch])
+
+    @contextlib.contextmanager
+    def row_prefetching(self, level: str) -> Iterator[None]:
+        """Inside the block the single-tile weight streams (fewer rows than a pair takes) are fetched ahead to
+        `level` ("l1" or "nta"); after it, `self.row_prefetch` again. For benchmarks (the bits are the same)."""
+        if level not in ROW_PREFETCH_LEVELS:
+            raise ValueError(f"row prefetch level {level!r} is not one of {', '.join(ROW_PREFETCH_LEVELS)}")
+        self.lib.vs_set_row_prefetch(int(level == "nta"))
+        try:
+            yield
+        finally:
+            self.lib.vs_set_row_prefetch(int(self.row_prefetch == "nta"))
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -254,8 +280,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.vs_set_body.restype = i32
     lib.vs_set_attention_rows.argtypes = [i32]
     lib.vs_set_attention_rows.restype = i32
-    lib.vs_set_pair_prefetch.argtypes = [i32]
-    lib.vs_set_pair_prefetch.restype = i32
+    lib.vs_set_prefetch.argtypes = [i32]
+    lib.vs_set_prefetch.restype = i32
+    lib.vs_set_row_prefetch.argtypes = [i32]
+    lib.vs_set_row_prefetch.restype = i32
     lib.vs_tile_bytes.argtypes = [i32]
     lib.vs_tile_bytes.restype = i32
 
@@ -297,8 +325,11 @@ def load(cache: Path | None = None) -> Library:
         raise KernelUnavailable(f"{out} does not have its own {body} body")
     library = dataclasses.replace(library, body=body, choice=choice)
     prefetch, why = choose_prefetch(library, cache=cache)
-    lib.vs_set_pair_prefetch(int(prefetch == "l2"))
+    lib.vs_set_prefetch(PREFETCH_CODES[prefetch])
     library = dataclasses.replace(library, prefetch=prefetch, prefetch_choice=why)
+    row, why = choose_row_prefetch(library, cache=cache)
+    lib.vs_set_row_prefetch(int(row == "nta"))
+    library = dataclasses.replace(library, row_prefetch=row, row_prefetch_choice=why)
     log.info("verispec's CPU kernel: %s", library.describe())
     return library
 
@@ -373,25 +404,53 @@ def _forward_weights(library: Library) -> list[tuple[torch.Tensor, str, int, int
     return out + [(tiles("Q8_0", *HEAD_SHAPE), "Q8_0", *HEAD_SHAPE)]
 
 
+def _named_level(env: str, levels: tuple[str, ...]) -> tuple[str, str] | None:
+    """(level, why) where the environment variable `env` names one of `levels`; None where it is not set."""
+    asked = os.environ.get(env)
+    if not asked:
+        return None
+    if asked not in levels:
+        raise KernelUnavailable(f"{env}={asked}: not one of {', '.join(levels)}")
+    return asked, f"{env}={asked}"
+
+
+def _kept_level(file: Path | None) -> tuple[str, str] | None:
+    """A level measured on this machine before and kept in `file` (level, why + ", cached"); None where none is."""
+    if file is None or not file.exists():
+        return None
+    kept = json.loads(file.read_text())
+    return kept["level"], f"{kept['why']}, cached"
+
+
+def _keep_level(file: Path | None, level: str, why: str) -> None:
+    """Keep a measured level for later starts, unless other processes loaded the machine while it was measured."""
+    if file is not None and not machine_busy():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"level": level, "why": why, "cpu": cpu_info().as_dict(), "measured": time.time()}))
+        tmp.replace(file)
+
+
+def _fastest_level(best: dict[str, float], default: str = "l1") -> str:
+    """The fastest level, where it beats `default` (the build's first choice) by PREFETCH_MARGIN; else default."""
+    level = min(best, key=best.get)
+    return level if best[level] < (1 - PREFETCH_MARGIN) * best[default] else default
+
+
 def choose_prefetch(library: Library, repeats: int = 3, cache: Path | None = None) -> tuple[str, str]:
     """(where the AVX-512 body's pair streams are fetched ahead to, the timings that say so); ("l1", "") where that
     body does not run. It depends on the CPU's caches and prefetchers and shows only on weights that stream from
-    memory: so both levels are timed on the linears of one forward of the default model (`_forward_weights`,
-    93 MiB) at 4 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.15 s). The choice is kept
-    in `cache` per machine (CPU, threads, kernel source), as the path profile is, so later starts pay nothing; a
-    busy machine's measurement is used but not kept. Each level gives the same bits. `VERISPEC_CPU_PREFETCH` (l1,
-    l2) names one instead."""
+    memory: so the levels (L1, L2, non-temporal) are timed on the linears of one forward of the default model
+    (`_forward_weights`, 93 MiB) at 4 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.2 s).
+    The choice is kept in `cache` per machine (CPU, threads, kernel source), as the path profile is, so later starts
+    pay nothing; a busy machine's measurement is used but not kept. Each level gives the same bits.
+    `VERISPEC_CPU_PREFETCH` (l1, l2, nta) names one instead."""
     if library.body != "avx512-vnni":
         return "l1", ""
-    asked = os.environ.get(PREFETCH_ENV)
-    if asked:
-        if asked not in PREFETCH_LEVELS:
-            raise KernelUnavailable(f"{PREFETCH_ENV}={asked}: not one of {', '.join(PREFETCH_LEVELS)}")
-        return asked, f"{PREFETCH_ENV}={asked}"
     file = None if cache is None else cache / "kernels" / f"prefetch-{_prefetch_key()}.json"
-    if file is not None and file.exists():
-        kept = json.loads(file.read_text())
-        return kept["level"], f"{kept['why']}, cached"
+    known = _named_level(PREFETCH_ENV, PREFETCH_LEVELS) or _kept_level(file)
+    if known:
+        return known
     weights = _forward_weights(library)
     xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m))
           for m in PREFETCH_ROWS for k in {k for *_, k in weights}}
@@ -404,21 +463,72 @@ def choose_prefetch(library: Library, repeats: int = 3, cache: Path | None = Non
                     library.linear(raw, kind, n, k, xs[m, k], outs[m, n])
 
     best = _fastest({lv: functools.partial(run, lv) for lv in PREFETCH_LEVELS}, repeats)
-    level = "l2" if best["l2"] < (1 - PREFETCH_MARGIN) * best["l1"] else "l1"
+    level = _fastest_level(best)
     timings = ", ".join(f"{lv.upper()} {best[lv] * 1e3:.1f} ms" for lv in PREFETCH_LEVELS)
     why = f"measured: {timings} for one forward's linears at M = {'/'.join(map(str, PREFETCH_ROWS))}"
-    if file is not None and not machine_busy():
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"level": level, "why": why, "cpu": cpu_info().as_dict(), "measured": time.time()}))
-        tmp.replace(file)
+    _keep_level(file, level, why)
     return level, why
 
 
-def _prefetch_key() -> str:
-    """What a kept prefetch choice is valid for: this CPU, the thread count and the kernel source."""
+class _StepProbe:
+    """The kind of small work an engine step does after its forward, on state of its own: a few torch ops on small
+    tensors, an embedding row looked up, an argmax and an exp-sum over a vocabulary row through numpy. Fast where
+    its code and data are still cached, several times slower where a forward's weight stream evicted them."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.randn(4096, 576, generator=g)
+        self.row = torch.randn(8192, generator=g).numpy()
+        self.small = torch.zeros(16)
+
+    def __call__(self) -> None:
+        ids = torch.tensor([7, 4000])
+        torch.nn.functional.embedding(ids, self.table)
+        j = int(self.row.argmax())
+        float(np.exp(self.row - self.row[j]).sum())
+        for _ in range(4):
+            self.small.add_(1.0)
+
+
+def choose_row_prefetch(library: Library, repeats: int = 7, cache: Path | None = None) -> tuple[str, str]:
+    """(where the vector bodies' single-tile streams of fewer rows are fetched ahead to, the timings that say so);
+    ("l1", "") where no vector body runs. Into L1 (the build's first choice) or non-temporally: which is faster
+    depends on what the CPU does with non-temporal lines, and shows on a forward's stream from memory and on what
+    it evicts. So both are timed on the linears of one forward of the default model at one row followed by a small
+    step's work (`_StepProbe`), interleaved, the fastest of `repeats` rounds each (about 0.1 s); kept per machine
+    as `choose_prefetch`'s choice is. Each level gives the same bits. `VERISPEC_CPU_ROW_PREFETCH` (l1, nta) names
+    one instead."""
+    if library.body not in ("avx2", "avx512-vnni"):
+        return "l1", ""
+    file = None if cache is None else cache / "kernels" / f"row-prefetch-{_prefetch_key(library.body)}.json"
+    known = _named_level(ROW_PREFETCH_ENV, ROW_PREFETCH_LEVELS) or _kept_level(file)
+    if known:
+        return known
+    weights = _forward_weights(library)
+    xs = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(k)) for *_, k in weights}
+    outs = {n: torch.empty(1, n) for _, _, n, _ in weights}
+    probe = _StepProbe()
+
+    def run(level: str) -> None:
+        with library.row_prefetching(level):
+            for raw, kind, n, k in weights:
+                library.linear(raw, kind, n, k, xs[k], outs[n])
+            probe()
+
+    best = _fastest({lv: functools.partial(run, lv) for lv in ROW_PREFETCH_LEVELS}, repeats)
+    level = _fastest_level(best)
+    timings = ", ".join(f"{lv.upper()} {best[lv] * 1e3:.2f} ms" for lv in ROW_PREFETCH_LEVELS)
+    why = f"measured: {timings} for one forward's linears at M = 1 and a small step's work after them"
+    _keep_level(file, level, why)
+    return level, why
+
+
+def _prefetch_key(body: str = "avx512-vnni") -> str:
+    """What a kept prefetch choice is valid for: this CPU, the thread count, the kernel source and the body timed."""
     cpu = cpu_info()
     parts = [cpu.model, " ".join(cpu.flags), str(torch.get_num_threads()), source_digest(), str(PREFETCH_ROWS)]
+    if body != "avx512-vnni":  # the pair levels' key as it was
+        parts.append(body)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

@@ -236,6 +236,14 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
     }
 }
 
+/* where the weight streams are fetched ahead to. The AVX-512 body's pair streams (4 rows and more; vs_set_prefetch):
+ * 0 into L1 (T0), 1 into L2 (T1), 2 non-temporal (NTA). The single-tile streams of fewer rows, both vector bodies
+ * (vs_set_row_prefetch): 0 into L1, 1 non-temporal. Non-temporal, a CPU may keep the ~100 MB of weights a forward
+ * reads from displacing what its caches held: the KV cache, and the Python and torch code and data a step runs
+ * after its forward (on a 2-core Zen 4 the first small torch op after a forward took 62 us with T0 against 34 with
+ * NTA, 4 warm). Only the speed changes, never a bit */
+static int prefetch_level = 0, row_prefetch_nta = 0;
+
 #ifdef VS_AVX2
 /* one activation row's block (32 int8) against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows'
  * block sums. xb holds the block's 8 groups of 4 bytes, each already in every lane (vs_linear writes them once
@@ -302,7 +310,10 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tp = w + (g * nb + b) * tb;
 #if PF_ROW_TILES
-        for (int64_t c = 0; c < tb; c += 64) _mm_prefetch((const char *)(tp + PF_ROW_TILES * tb + c), _MM_HINT_T0);
+        if (row_prefetch_nta)
+            for (int64_t c = 0; c < tb; c += 64) _mm_prefetch((const char *)(tp + PF_ROW_TILES * tb + c), _MM_HINT_NTA);
+        else
+            for (int64_t c = 0; c < tb; c += 64) _mm_prefetch((const char *)(tp + PF_ROW_TILES * tb + c), _MM_HINT_T0);
 #endif
         __m256i wv[8], wabs[8];
         if (kind == Q8_0) {
@@ -378,8 +389,8 @@ static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int
 /* where the pair streams' tiles are fetched ahead to: 0 into L1 (T0), 1 into L2 (T1). Which is faster depends on the
  * CPU: on a 2-core Zen 4, whole forwards of the default model at 4 rows took 5.9 ms with L2 against 7.3 with L1
  * (two streams 64 tiles ahead into a 32 KB L1); 8 rows and more, bound by the arithmetic, alike. The loader times
- * both (vs_set_pair_prefetch). Pairs from 3 rows on (or 2) instead of 4 measured no faster with either level */
-static int pair_prefetch_l2 = 0;
+ * both (vs_set_prefetch, and the non-temporal level). Pairs from 3 rows on (or 2) instead of 4 measured no faster
+ * with either level */
 
 static inline __m512i pair256(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -411,10 +422,15 @@ static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, co
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ta = w + (g * nb + b) * tb, *tc = ta + nb * tb;
 #if PF_TILES
-        if (pair_prefetch_l2) /* the two tile streams, fetched ahead: measured; into L2 or L1 (vs_set_pair_prefetch) */
+        if (prefetch_level == 1) /* the two tile streams fetched ahead (measured): L2, NTA or L1 */
             for (int64_t c = 0; c < tb; c += 64) {
                 _mm_prefetch((const char *)(ta + PF_TILES * tb + c), _MM_HINT_T1);
                 _mm_prefetch((const char *)(tc + PF_TILES * tb + c), _MM_HINT_T1);
+            }
+        else if (prefetch_level == 2)
+            for (int64_t c = 0; c < tb; c += 64) {
+                _mm_prefetch((const char *)(ta + PF_TILES * tb + c), _MM_HINT_NTA);
+                _mm_prefetch((const char *)(tc + PF_TILES * tb + c), _MM_HINT_NTA);
             }
         else
             for (int64_t c = 0; c < tb; c += 64) {
@@ -952,16 +968,22 @@ int vs_set_attention_rows(int rows) {
     return was;
 }
 
-/* the AVX-512 body's pair streams prefetched into L2 (l2 = 1) or L1 (0); returns 0, or -1 without that body. Only
- * the speed changes, never a bit */
-int vs_set_pair_prefetch(int l2) {
-#ifdef VS_AVX512
-    pair_prefetch_l2 = l2 != 0;
-    return 0;
-#else
-    (void)l2;
-    return -1;
-#endif
+/* where the AVX-512 body's pair streams are fetched ahead to (0 L1, 1 L2, 2 non-temporal); returns the level
+ * before, or -1 for another level (nothing set). Only the speed changes, never a bit */
+int vs_set_prefetch(int level) {
+    if (level < 0 || level > 2) return -1;
+    const int was = prefetch_level;
+    prefetch_level = level;
+    return was;
+}
+
+/* where the single-tile streams (fewer rows than a pair takes) are fetched ahead to (0 L1, 1 non-temporal);
+ * returns the level before, or -1 for another level (nothing set). Only the speed changes, never a bit */
+int vs_set_row_prefetch(int nta) {
+    if (nta < 0 || nta > 1) return -1;
+    const int was = row_prefetch_nta;
+    row_prefetch_nta = nta;
+    return was;
 }
 
 /* one row x [K] (float32, or bfloat16 when x_bf16) RMS-normalised and scaled: out = (x * r) * w with
