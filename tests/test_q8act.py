@@ -145,24 +145,28 @@ def test_the_active_body_is_a_built_one_chosen_by_timing_and_a_missing_one_is_re
 needs_avx512 = pytest.mark.skipif("avx512-vnni" not in LIB.bodies, reason="this CPU gets no AVX-512 VNNI body")
 
 
+def assert_portable_bits(kind: str, body: str, rows: tuple[int, ...], seed: int) -> None:
+    """`body`'s product of a random [72, 160] weight and `rows` rows each equals the portable body's, bit for bit."""
+    k, n = 160, 72
+    w = Q8ActWeight(random_raw(kind, n, k, seed=seed), kind, n, k)
+    for m in rows:
+        x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ref, got = torch.empty(m, n), torch.empty(m, n)
+        LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
+        LIB.linear(w.tiles, kind, n, k, x, got, body=body)
+        assert torch.equal(got, ref), (body, m)
+
+
 @needs_avx512
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_pair_streams_prefetch_level_changes_no_bit(kind: str) -> None:
     """The AVX-512 body from 4 rows on (two tiles per vector) with its weights fetched ahead into L1, into L2 and
     non-temporally: each the portable body's bits, and the level the loader chose is back in force after the block
     (the C setter returns the level in force, and refuses a level it does not have)."""
-    k, n = 160, 72
-    w = Q8ActWeight(random_raw(kind, n, k, seed=5), kind, n, k)
-    for m in (4, 5, 8, 13):
-        x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        ref = torch.empty(m, n)
-        LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
-        for level in PREFETCH_LEVELS:
-            with LIB.prefetching(level):
-                assert LIB.lib.vs_set_prefetch(PREFETCH_CODES[level]) == PREFETCH_CODES[level]
-                got = torch.empty(m, n)
-                LIB.linear(w.tiles, kind, n, k, x, got, body="avx512-vnni")
-            assert torch.equal(got, ref), (level, m)
+    for level in PREFETCH_LEVELS:
+        with LIB.prefetching(level):
+            assert LIB.lib.vs_set_prefetch(PREFETCH_CODES[level]) == PREFETCH_CODES[level]
+            assert_portable_bits(kind, "avx512-vnni", (4, 5, 8, 13), seed=5)
     assert LIB.lib.vs_set_prefetch(PREFETCH_CODES[LIB.prefetch]) == PREFETCH_CODES[LIB.prefetch]
     assert LIB.lib.vs_set_prefetch(3) == -1 and LIB.lib.vs_set_prefetch(-1) == -1
     with pytest.raises(ValueError, match="not one of l1, l2, nta"):
@@ -174,18 +178,10 @@ def test_the_pair_streams_prefetch_level_changes_no_bit(kind: str) -> None:
 def test_the_single_tile_streams_prefetch_level_changes_no_bit(kind: str) -> None:
     """Every vector body's single-tile streams (1 to 3 rows on the AVX-512 body, every row count on the AVX2 one)
     fetched ahead into L1 and non-temporally: the portable body's bits, the loader's level back after the block."""
-    k, n = 160, 72
-    w = Q8ActWeight(random_raw(kind, n, k, seed=6), kind, n, k)
     for body in [b for b in LIB.bodies if b != "portable"]:
-        for m in (1, 2, 3, 5):
-            x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            ref = torch.empty(m, n)
-            LIB.linear(w.tiles, kind, n, k, x, ref, reference=True)
-            for level in ROW_PREFETCH_LEVELS:
-                with LIB.row_prefetching(level):
-                    got = torch.empty(m, n)
-                    LIB.linear(w.tiles, kind, n, k, x, got, body=body)
-                assert torch.equal(got, ref), (body, level, m)
+        for level in ROW_PREFETCH_LEVELS:
+            with LIB.row_prefetching(level):
+                assert_portable_bits(kind, body, (1, 2, 3, 5), seed=6)
     chosen = int(LIB.row_prefetch == "nta")
     assert LIB.lib.vs_set_row_prefetch(chosen) == chosen
     assert LIB.lib.vs_set_row_prefetch(2) == -1 and LIB.lib.vs_set_row_prefetch(-1) == -1

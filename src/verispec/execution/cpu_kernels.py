@@ -414,10 +414,12 @@ def _named_level(env: str, levels: tuple[str, ...]) -> tuple[str, str] | None:
     return asked, f"{env}={asked}"
 
 
-def _kept_level(file: Path | None) -> tuple[str, str] | None:
-    """A level measured on this machine before and kept in `file` (level, why + ", cached"); None where none is."""
-    if file is None or not file.exists():
-        return None
+def _known_level(env: str, levels: tuple[str, ...], file: Path | None) -> tuple[str, str] | None:
+    """(level, why) named by `env`, else measured on this machine before and kept in `file` (why + ", cached");
+    None where neither says."""
+    named = _named_level(env, levels)
+    if named or file is None or not file.exists():
+        return named
     kept = json.loads(file.read_text())
     return kept["level"], f"{kept['why']}, cached"
 
@@ -448,8 +450,7 @@ def choose_prefetch(library: Library, repeats: int = 3, cache: Path | None = Non
     if library.body != "avx512-vnni":
         return "l1", ""
     file = None if cache is None else cache / "kernels" / f"prefetch-{_prefetch_key()}.json"
-    known = _named_level(PREFETCH_ENV, PREFETCH_LEVELS) or _kept_level(file)
-    if known:
+    if known := _known_level(PREFETCH_ENV, PREFETCH_LEVELS, file):
         return known
     weights = _forward_weights(library)
     xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -501,8 +502,7 @@ def choose_row_prefetch(library: Library, repeats: int = 7, cache: Path | None =
     if library.body not in ("avx2", "avx512-vnni"):
         return "l1", ""
     file = None if cache is None else cache / "kernels" / f"row-prefetch-{_prefetch_key(library.body)}.json"
-    known = _named_level(ROW_PREFETCH_ENV, ROW_PREFETCH_LEVELS) or _kept_level(file)
-    if known:
+    if known := _known_level(ROW_PREFETCH_ENV, ROW_PREFETCH_LEVELS, file):
         return known
     weights = _forward_weights(library)
     xs = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(k)) for *_, k in weights}
