@@ -139,9 +139,9 @@ class Library:
 
     @contextlib.contextmanager
     def prefetching(self, level: str) -> Iterator[None]:
-        """Inside the block the weight streams are fetched ahead to `level` ("l1", "l2": the AVX-512 body's pair
-        streams into L2, "nta": every stream non-temporal); after it, `self.prefetch` again. For benchmarks that
-        compare them side by side (the bits are the same in each)."""
+        """Inside the block the AVX-512 body's pair streams are fetched ahead to `level` ("l1", "l2" or "nta":
+        non-temporally); after it, `self.prefetch` again. For benchmarks that compare them side by side (the bits
+        are the same in each)."""
         if level not in PREFETCH_LEVELS:
             raise ValueError(f"prefetch level {level!r} is not one of {', '.join(PREFETCH_LEVELS)}")
         self.lib.vs_set_prefetch(PREFETCH_CODES[level])
