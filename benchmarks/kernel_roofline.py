@@ -38,7 +38,9 @@ from pathlib import Path
 import torch
 
 from verispec.execution.cpu import cpu_info
-from verispec.execution.cpu_kernels import _forward_weights, build_flags, compiler, load
+from verispec.execution.cpu_build import build_flags, compiler
+from verispec.execution.cpu_kernels import load
+from verispec.execution.kernel_choice import forward_weights
 
 PROBE = r"""
 #include <stdint.h>
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     ms = [int(m) for m in args.ms.split(",")]
     threads = torch.get_num_threads()
     library = load()
-    weights = _forward_weights(library)
+    weights = forward_weights(library)
     with tempfile.TemporaryDirectory() as tmp:
         probe = build_probe(Path(tmp))
         ceil = ceilings(probe, threads, library.body)

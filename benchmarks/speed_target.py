@@ -45,7 +45,7 @@ from verispec.drafters import shipped
 from verispec.execution.cpu import cpu_info
 from verispec.execution.profile import profile_costs
 from verispec.train.card import SPEED_HEADING, put_section
-from verispec.train.curve import extrapolate
+from verispec.train.curve import curve_points, extrapolate
 from verispec.train.shards import read_meta
 from verispec.train.speed_target import StreamCosts, speed_goal, speedup, tau
 
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 sentence += f"; x{args.goal:g} is reached."
             else:
                 rise = goal.tau_needed - goal.tau_now
-                now = extrapolate(log, m, None, offset, data_tokens)
-                ex = extrapolate(log, m, round(now.reached + rise, 2), offset, data_tokens)
+                end = curve_points(log, m)[-1][1]  # the curve's last held-out estimate
+                ex = extrapolate(log, m, round(end + rise, 2), offset, data_tokens)
                 sentence += (f"; x{args.goal:g} needs tau {goal.tau_needed:.2f} at K = {args.k} (+{rise:.2f}; drafting "
                              f"k = {goal.k}, every position's misses x{goal.lam:.2f}). The learning curve asked for "
                              f"the same rise ({ex.reached:.2f} -> {ex.target:.2f}): "

@@ -94,7 +94,8 @@ def main() -> None:
     ids = torch.arange(args.context + max(ms_list)) * 7 % cfg.vocab_size  # [context + max M]
     bodies = {}  # row name -> (model name, the kernel setting it runs inside)
     if (args.bodies or args.prefetch or args.attention_rows) and "gguf-q8act" in models:
-        from verispec.execution.cpu_kernels import PREFETCH_LEVELS, load
+        from verispec.execution.cpu_kernels import load
+        from verispec.execution.kernel_choice import PREFETCH_LEVELS
 
         lib = load()
         print(f"verispec's kernel: {lib.describe()}")

@@ -22,8 +22,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from verispec.execution.cpu_kernels import (BODIES, BODY_NAMES, PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS,
-                                          KernelUnavailable, load)
+from verispec.execution.cpu_build import BODIES, KernelUnavailable
+from verispec.execution.cpu_kernels import BODY_NAMES, load
+from verispec.execution.kernel_choice import PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS
 
 try:
     LIB = load()
@@ -119,7 +120,7 @@ def test_each_vector_body_equals_the_portable_body_bitwise(body: str, kind: str,
 
 
 def test_the_body_can_be_named_by_the_environment_and_an_unbuilt_one_is_refused(monkeypatch) -> None:
-    from verispec.execution.cpu_kernels import BODY_ENV, choose_body
+    from verispec.execution.kernel_choice import BODY_ENV, choose_body
 
     for b in LIB.bodies:
         monkeypatch.setenv(BODY_ENV, b)
@@ -193,7 +194,7 @@ def test_the_single_tile_streams_prefetch_level_changes_no_bit(kind: str) -> Non
 def test_the_prefetch_level_is_timed_only_for_the_avx512_body_and_can_be_named(monkeypatch) -> None:
     import dataclasses
 
-    from verispec.execution.cpu_kernels import PREFETCH_ENV, choose_prefetch
+    from verispec.execution.kernel_choice import PREFETCH_ENV, choose_prefetch
 
     for body in LIB.bodies:  # the other bodies have no pair streams: nothing is timed or said
         if body != "avx512-vnni":
@@ -216,8 +217,8 @@ def test_the_row_prefetch_level_is_timed_for_the_vector_bodies_kept_and_can_be_n
     import dataclasses
     import json
 
-    import verispec.execution.cpu_kernels as kernels
-    from verispec.execution.cpu_kernels import ROW_PREFETCH_ENV, choose_row_prefetch
+    import verispec.execution.kernel_choice as kernels
+    from verispec.execution.kernel_choice import ROW_PREFETCH_ENV, choose_row_prefetch
 
     assert choose_row_prefetch(dataclasses.replace(LIB, body="portable")) == ("l1", "")  # nothing to fetch ahead
     vector = [b for b in LIB.bodies if b != "portable"]
@@ -246,8 +247,8 @@ def test_the_prefetch_choice_is_kept_per_machine_and_read_back(tmp_path, monkeyp
     import dataclasses
     import json
 
-    import verispec.execution.cpu_kernels as kernels
-    from verispec.execution.cpu_kernels import PREFETCH_ENV, choose_prefetch
+    import verispec.execution.kernel_choice as kernels
+    from verispec.execution.kernel_choice import PREFETCH_ENV, choose_prefetch
 
     monkeypatch.delenv(PREFETCH_ENV, raising=False)
     monkeypatch.setattr(kernels, "machine_busy", lambda: False)

@@ -207,7 +207,7 @@ def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath]) -> s
              device, str(linear_shapes(cfg)), str((cfg.num_layers, cfg.vocab_size, cfg.hidden_size)),
              ",".join(p.name for p in paths), str(PROFILE_M)]
     if any(p.quantization == "gguf-q8act" for p in paths):
-        from verispec.execution.cpu_kernels import source_digest
+        from verispec.execution.cpu_build import source_digest
 
         parts.append(source_digest())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from verispec.config import ModelConfig
-from verispec.execution.cpu_kernels import KINDS, Library, load
+from verispec.execution.cpu_build import KINDS
+from verispec.execution.cpu_kernels import Library, load
 from verispec.execution.q8act import Q8ActWeight
 from verispec.models.tree import ancestor_mask, depths
 
