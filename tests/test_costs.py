@@ -196,6 +196,41 @@ def test_a_profile_that_underrates_verification_stops_misleading_dspark():
     assert policy.draft_lengths(cands, R) == [0] * R
 
 
+def test_nearby_sequence_counts_share_the_measured_cost_per_token():
+    """A busy batch: 12 sequences measured at five token counts, 1 s per token; 15 sequences at two token counts
+    close together whose noise says extra tokens are nearly free (16 -> 14.6 s, 17 -> 14.7 s); 16 sequences at one.
+    The slope of 15 and 16 is the pooled least-squares slope of the counts within 0.75x of them (closed form below),
+    not 15's own pair floored at half the profile's 0.6 s per token, so a draft row surviving 60% of the time does not
+    look like it pays at 15 sequences (a draft row then costs more than the 0.88 s of an average decode row; with the
+    floor's 0.3 s it looked like it did). A count far away (4) keeps its own line."""
+    prior = StepCosts(CostTable((1, 128), (0.6, 76.8)))  # 0.6 s per token
+    m = MeasuredStepCosts(prior, window=1)
+    twelve = {12: 12.0, 13: 13.0, 14: 14.0, 15: 15.0, 16: 16.0}
+    fifteen = {16: 14.6, 17: 14.7}
+    for t, sec in twelve.items():
+        m.observe(t, 12, sec)
+    for t, sec in fifteen.items():
+        m.observe(t, 15, sec)
+    m.observe(16, 16, 16.0)
+    m.observe(4, 4, 4.0)
+    m.observe(6, 4, 4.2)  # 0.1 s per token: below half the profile's (0.3), so the floor
+
+    def centred(pts: dict[int, float]) -> tuple[float, float]:  # sum (t - mean)(v - mean), sum (t - mean)^2
+        mt, mv = statistics.fmean(pts), statistics.fmean(pts.values())
+        return sum((t - mt) * (v - mv) for t, v in pts.items()), sum((t - mt) ** 2 for t in pts)
+
+    (a, b), (c, d) = centred(twelve), centred(fifteen)
+    pooled = (a + c) / (b + d)  # (10 + 0.05) / (10 + 0.5)
+    assert math.isclose(pooled, 10.05 / 10.5)
+    assert math.isclose(m(17, 15) - m(16, 15), pooled)
+    assert math.isclose(m(17, 16) - m(16, 16), pooled) and math.isclose(m(16, 16), 16.0)  # one point: through it
+    assert math.isclose(m(14, 12) - m(13, 12), pooled)  # 12 shares 15's slope too (15 is within 12 / 0.75)
+    assert math.isclose(m(7, 4) - m(6, 4), 0.3)  # 4: its own pair, floored at half the profile's slope
+    policy = DSparkPolicy(m, margin=0.0)
+    cands = [Candidate(1, AcceptanceEstimator(prior=0.6), confidences=False) for _ in range(15)]
+    assert policy.draft_lengths(cands, 15) == [0] * 15
+
+
 def test_probes_back_off_until_speculation_resumes():
     """Probe gaps double after each probe (8, 16, 32, 64, 64), whether it matched or not, and drop back to 8 once the
     policy drafts by itself (an ordinary draft, accepted or not)."""
