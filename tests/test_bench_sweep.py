@@ -187,6 +187,20 @@ def test_finalize_and_summary_percentiles_by_hand() -> None:
     assert ratio["speedup_engine_steps"] == pytest.approx((1.5 + 1.2) / 2)
     assert ratio["speedup_engine_steps_range"] == "1.2..1.5"
     assert ratio["speedup_step_ms"] == pytest.approx((10 / 12 + 1) / 2)
+    assert ratio["same_work"] == "-"  # steps but no rows per step: unknown
+    # the same steps and rows per step in every repeat: the ratio is the two processes' spread, and says so
+    spec = [dict(row, repeat=r, engine_steps=47, rows_per_step=254.0, out_tok_per_s=400.0) for r in (1, 2)]
+    base = [dict(row, repeat=1, engine_steps=47, rows_per_step=253.0, out_tok_per_s=440.0),
+            dict(row, repeat=2, engine_steps=47, rows_per_step=254.0, out_tok_per_s=400.0)]
+    (ratio,) = ratio_rows(spec, base)
+    assert ratio["same_work"] == "yes" and ratio["ratio_out_tok"] == pytest.approx((400 / 440 + 1) / 2)
+    base[1]["engine_steps"] = 48  # one repeat where speculation saved a step
+    assert ratio_rows(spec, base)[0]["same_work"] == "no"
+    base[1]["rows_per_step"] = 280.0  # or where the rows differ by more than 1%
+    base[1]["engine_steps"] = 47
+    assert ratio_rows(spec, base)[0]["same_work"] == "no"
+    del base[1]["rows_per_step"]  # no step clock in one repeat: unknown
+    assert ratio_rows(spec, base)[0]["same_work"] == "-"
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2

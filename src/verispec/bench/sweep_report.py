@@ -123,9 +123,20 @@ def mark_identity(results: Sequence[LevelResult], ref: Level, baseline: Sequence
                     r.first_divergence = div
 
 
+def same_work(s: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two verispec servers did the same work on a level: the same steps, rows per step within 1%. None
+    where either has no step clock. Where they did, speculation changed nothing there and the throughput ratio is
+    the spread between the two server processes (on a shared 2-core machine about 10% either way)."""
+    steps, rows = (s.get("engine_steps"), b.get("engine_steps")), (s.get("rows_per_step"), b.get("rows_per_step"))
+    if any(v is None or (isinstance(v, float) and math.isnan(v)) for v in (*steps, *rows)):
+        return None
+    return steps[0] == steps[1] and abs(rows[0] - rows[1]) <= 0.01 * max(rows)
+
+
 def ratio_rows(spec: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per level: spec / baseline for throughputs, baseline / spec for latencies (so > 1 means speculation
-    helps), as the median and min..max over repeats of per-repeat ratios."""
+    helps), as the median and min..max over repeats of per-repeat ratios; `same_work`: yes where every repeat's
+    two servers ran the same steps (`same_work`), no where one did not, - without step clocks."""
     keys = [("out_tok_per_s", False), ("req_per_s", False), ("goodput_req_per_s", False),
             ("tpot_p50_ms", True), ("ttft_p50_ms", True), ("e2e_p50_s", True), ("itl_p50_ms", True),
             ("engine_steps", True), ("step_ms", True)]  # verispec's step clock: what speculation saves, what it costs
@@ -151,6 +162,8 @@ def ratio_rows(spec: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -
             row[name] = statistics.median(rs) if rs else float("nan")
             if len(reps) > 1:
                 row[name + "_range"] = f"{min(rs):.3g}..{max(rs):.3g}" if len(rs) > 1 else "-"
+        same = [same_work(s, b) for s, b in reps.values() if b]
+        row["same_work"] = "-" if not same or None in same else ("yes" if all(same) else "no")
         s0, _ = next(iter(reps.values()))
         row["tau"] = s0.get("tau", float("nan"))
         row["identity_vs_baseline"] = s0.get("identity_vs_baseline", float("nan"))
@@ -332,7 +345,9 @@ def _tables(rows: list[dict], results: dict[str, list[LevelResult]], clients: Se
                             "Against verispec servers, speedup_engine_steps (baseline steps / method steps: the "
                             "steps speculation saved) times speedup_step_ms (baseline ms per step / method's: what "
                             "its steps cost, including any difference between the two server processes) is about "
-                            "ratio_out_tok when the levels' wall time is their steps."))
+                            "ratio_out_tok when the levels' wall time is their steps. same_work = yes where in "
+                            "every repeat both ran the same steps with the same rows per step: there speculation "
+                            "changed no step, and the ratios measure the two server processes, not the method."))
     pos_rows = _position_rows(results)
     if pos_rows:
         tables.append(Table("Per-position acceptance", pos_rows,
