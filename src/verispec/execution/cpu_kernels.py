@@ -25,8 +25,8 @@ import torch
 
 from verispec.execution.cpu_build import (AVX2_FLAGS, BODIES, KINDS, KernelUnavailable, build_flags, cached_build,
                                           compiler)
-from verispec.execution.kernel_choice import (PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS, choose_body,
-                                              choose_prefetch, choose_row_prefetch, forward_weights)
+from verispec.execution.kernel_choice import (PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_CODES, ROW_PREFETCH_LEVELS,
+                                              choose_body, choose_prefetch, choose_row_prefetch, forward_weights)
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,11 @@ class Library:
         `level` ("l1" or "nta"); after it, `self.row_prefetch` again. For benchmarks (the bits are the same)."""
         if level not in ROW_PREFETCH_LEVELS:
             raise ValueError(f"row prefetch level {level!r} is not one of {', '.join(ROW_PREFETCH_LEVELS)}")
-        self.lib.vs_set_row_prefetch(int(level == "nta"))
+        self.lib.vs_set_row_prefetch(ROW_PREFETCH_CODES[level])
         try:
             yield
         finally:
-            self.lib.vs_set_row_prefetch(int(self.row_prefetch == "nta"))
+            self.lib.vs_set_row_prefetch(ROW_PREFETCH_CODES[self.row_prefetch])
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -233,7 +233,7 @@ def load(cache: Path | None = None) -> Library:
     lib.vs_set_prefetch(PREFETCH_CODES[prefetch])
     library = dataclasses.replace(library, prefetch=prefetch, prefetch_choice=why)
     row, why = choose_row_prefetch(library, cache=cache, weights=weights)
-    lib.vs_set_row_prefetch(int(row == "nta"))
+    lib.vs_set_row_prefetch(ROW_PREFETCH_CODES[row])
     library = dataclasses.replace(library, row_prefetch=row, row_prefetch_choice=why)
     log.info("verispec's CPU kernel: %s", library.describe())
     return library

@@ -36,6 +36,7 @@ PREFETCH_CODES = {"l1": 0, "l2": 1, "nta": 2}
 PREFETCH_ENV = "VERISPEC_CPU_PREFETCH"  # names the level instead of timing the levels
 # where the vector bodies' single-tile streams (fewer rows) are fetched ahead to (vs_set_row_prefetch)
 ROW_PREFETCH_LEVELS = ("l1", "nta")
+ROW_PREFETCH_CODES = {"l1": 0, "nta": 1}
 ROW_PREFETCH_ENV = "VERISPEC_CPU_ROW_PREFETCH"  # names the level instead of timing the levels
 Weights = list[tuple[torch.Tensor, str, int, int]]  # (tiles, kind, N, K) per weight
 

@@ -245,6 +245,16 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
 static int prefetch_level = 0, row_prefetch_nta = 0;
 
 #ifdef VS_AVX2
+/* the `bytes` at p fetched ahead: level 0 into L1 (T0), 1 into L2 (T1), 2 non-temporally (NTA); a line at a time */
+static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t *p, int64_t bytes, int level) {
+    if (level == 1)
+        for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)(p + c), _MM_HINT_T1);
+    else if (level == 2)
+        for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)(p + c), _MM_HINT_NTA);
+    else
+        for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char *)(p + c), _MM_HINT_T0);
+}
+
 /* one activation row's block (32 int8) against a tile's 8 unpacked quant vectors: 8 int32 lanes = the 8 rows'
  * block sums. xb holds the block's 8 groups of 4 bytes, each already in every lane (vs_linear writes them once
  * per row; a load each here instead of a shuffle per tile and row: whole forwards x0.91-0.94 at 2-32 rows on a
@@ -310,10 +320,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tp = w + (g * nb + b) * tb;
 #if PF_ROW_TILES
-        if (row_prefetch_nta)
-            for (int64_t c = 0; c < tb; c += 64) _mm_prefetch((const char *)(tp + PF_ROW_TILES * tb + c), _MM_HINT_NTA);
-        else
-            for (int64_t c = 0; c < tb; c += 64) _mm_prefetch((const char *)(tp + PF_ROW_TILES * tb + c), _MM_HINT_T0);
+        fetch_ahead(tp + PF_ROW_TILES * tb, tb, row_prefetch_nta ? 2 : 0);
 #endif
         __m256i wv[8], wabs[8];
         if (kind == Q8_0) {
@@ -422,21 +429,8 @@ static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, co
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ta = w + (g * nb + b) * tb, *tc = ta + nb * tb;
 #if PF_TILES
-        if (prefetch_level == 1) /* the two tile streams fetched ahead (measured): L2, NTA or L1 */
-            for (int64_t c = 0; c < tb; c += 64) {
-                _mm_prefetch((const char *)(ta + PF_TILES * tb + c), _MM_HINT_T1);
-                _mm_prefetch((const char *)(tc + PF_TILES * tb + c), _MM_HINT_T1);
-            }
-        else if (prefetch_level == 2)
-            for (int64_t c = 0; c < tb; c += 64) {
-                _mm_prefetch((const char *)(ta + PF_TILES * tb + c), _MM_HINT_NTA);
-                _mm_prefetch((const char *)(tc + PF_TILES * tb + c), _MM_HINT_NTA);
-            }
-        else
-            for (int64_t c = 0; c < tb; c += 64) {
-                _mm_prefetch((const char *)(ta + PF_TILES * tb + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(tc + PF_TILES * tb + c), _MM_HINT_T0);
-            }
+        fetch_ahead(ta + PF_TILES * tb, tb, prefetch_level); /* the two tile streams (measured: L2, NTA or L1) */
+        fetch_ahead(tc + PF_TILES * tb, tb, prefetch_level);
 #endif
         __m512i wv[8];
         if (kind == Q8_0) {
