@@ -26,6 +26,7 @@ plain's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import re
@@ -37,10 +38,10 @@ from pathlib import Path
 import torch
 
 from verispec import LLM, SamplingParams
+from verispec.bench.interleave import run_interleaved
 from verispec.bench.load import MachineLoad
 from verispec.bench.single import method_spec
 from verispec.bench.workloads import load_workload
-from verispec.check.identity import compare_greedy
 from verispec.drafters import shipped
 from verispec.execution.cpu import cpu_info
 from verispec.execution.profile import profile_costs
@@ -114,23 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             engines[f"{m} K={k}"] = base.with_speculation({**method_spec(m, k), "adaptive": False})
     shapes = [profile_costs(base.model, range(1, args.k + 2), repeats=15)]
     pools: dict[tuple[str, str], Pool] = defaultdict(Pool)
-    path = "?"
     load = MachineLoad().start()
-    prompts = [(wl, i, wp) for wl in args.workloads.split(",") for i, wp in enumerate(load_workload(wl, args.limit))]
-    for rep in range(args.repeats):
-        for wl, i, wp in prompts:
-            ids = base.tokenizer(base.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
-            params = SamplingParams(temperature=0, max_tokens=min(wp.max_tokens, args.max_tokens))
-            names = list(engines)
-            shift = (i + 3 * rep) % len(names)  # the order rotates per prompt and per repeat
-            got = {n: engines[n].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-                   for n in names[shift:] + names[:shift]}
-            for n, out in got.items():
-                same = n == "plain" or compare_greedy(base.model, ids, got["plain"].token_ids, out.token_ids) is None
-                pools[(wl, n)].add(out.stats, same)
-                path = out.stats["path"]
-            print(rep, wl, wp.id, " ".join(f"{n}:{o.stats['tok_per_s']:.0f}" for n, o in got.items()),
-                  file=sys.stderr, flush=True)
+    for wl in args.workloads.split(","):
+        prompts = [dataclasses.replace(wp, max_tokens=min(wp.max_tokens, args.max_tokens))
+                   for wp in load_workload(wl, args.limit)]
+        print(f"{wl}: {len(prompts)} prompts x {args.repeats} repeats, {len(engines)} arms", file=sys.stderr, flush=True)
+        runs = run_interleaved(engines, prompts, SamplingParams(temperature=0), args.repeats, own_length=True)
+        for name, arm in runs.items():
+            for run in arm:
+                pools[(wl, name)].add(run.stats, run.identical)
+    path = runs["plain"][0].stats["path"]
     load.stop()
     shapes.append(profile_costs(base.model, range(1, args.k + 2), repeats=15))
     shape = [statistics.median(s(m) for s in shapes) for m in range(1, args.k + 2)]

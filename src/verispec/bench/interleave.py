@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from verispec.engine.counters import PHASES
@@ -26,6 +26,7 @@ class ArmRun:
     ttft: float = 0.0  # the engine's time to the first token (prefill), within `seconds`
     steps: int = 0  # engine steps that ran a forward (0: the engine keeps no step clock)
     phases: tuple[float, ...] = ()  # their seconds per phase of `engine.counters.PHASES`, summed
+    stats: Mapping[str, Any] = field(default_factory=dict)  # the output's stats (what else a caller pools)
 
     @property
     def tok_s(self) -> float:
@@ -85,7 +86,7 @@ def run_interleaved(engines: Mapping[str, Any], prompts: Sequence[Any], params: 
                 ids, st, dt, (steps, phases) = outs[name]
                 rows[name].append(ArmRun(rep, i, len(ids), dt, st.get("mean_acceptance_length", 1.0),
                                          st.get("num_draft_tokens", 0) / max(1, st.get("steps", 1)), ids == want,
-                                         st.get("ttft_s", 0.0), steps, phases))
+                                         st.get("ttft_s", 0.0), steps, phases, st))
     return rows
 
 
