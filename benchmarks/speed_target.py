@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     for wl in args.workloads.split(","):
         prompts = [dataclasses.replace(wp, max_tokens=min(wp.max_tokens, args.max_tokens))
                    for wp in load_workload(wl, args.limit)]
-        print(f"{wl}: {len(prompts)} prompts x {args.repeats} repeats, {len(engines)} arms", file=sys.stderr, flush=True)
+        print(f"{wl}: {len(prompts)} prompts x {args.repeats} repeats, {len(engines)} arms", file=sys.stderr,
+              flush=True)
         runs = run_interleaved(engines, prompts, SamplingParams(temperature=0), args.repeats, own_length=True)
         for name, arm in runs.items():
             for run in arm:
