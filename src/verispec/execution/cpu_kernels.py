@@ -19,14 +19,14 @@ import logging
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from verispec.execution.cpu_build import (AVX2_FLAGS, BODIES, KINDS, KernelUnavailable, build_flags, cached_build,
                                           compiler)
-from verispec.execution.kernel_choice import (PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_CODES, ROW_PREFETCH_LEVELS,
-                                              choose_body, choose_prefetch, choose_row_prefetch, forward_weights)
+from verispec.execution.kernel_choice import (PREFETCH_CODES, ROW_PREFETCH_CODES, choose_body, choose_prefetch,
+                                              choose_row_prefetch, forward_weights)
 
 log = logging.getLogger(__name__)
 
@@ -104,30 +104,16 @@ class Library:
         finally:
             self.lib.vs_set_attention_rows(was)
 
-    @contextlib.contextmanager
-    def prefetching(self, level: str) -> Iterator[None]:
+    def prefetching(self, level: str) -> contextlib.AbstractContextManager[None]:
         """Inside the block the AVX-512 body's pair streams are fetched ahead to `level` ("l1", "l2" or "nta":
         non-temporally); after it, `self.prefetch` again. For benchmarks that compare them side by side (the bits
         are the same in each)."""
-        if level not in PREFETCH_LEVELS:
-            raise ValueError(f"prefetch level {level!r} is not one of {', '.join(PREFETCH_LEVELS)}")
-        self.lib.vs_set_prefetch(PREFETCH_CODES[level])
-        try:
-            yield
-        finally:
-            self.lib.vs_set_prefetch(PREFETCH_CODES[self.prefetch])
+        return _at_level(self.lib.vs_set_prefetch, PREFETCH_CODES, "prefetch", level, self.prefetch)
 
-    @contextlib.contextmanager
-    def row_prefetching(self, level: str) -> Iterator[None]:
+    def row_prefetching(self, level: str) -> contextlib.AbstractContextManager[None]:
         """Inside the block the single-tile weight streams (fewer rows than a pair takes) are fetched ahead to
         `level` ("l1" or "nta"); after it, `self.row_prefetch` again. For benchmarks (the bits are the same)."""
-        if level not in ROW_PREFETCH_LEVELS:
-            raise ValueError(f"row prefetch level {level!r} is not one of {', '.join(ROW_PREFETCH_LEVELS)}")
-        self.lib.vs_set_row_prefetch(ROW_PREFETCH_CODES[level])
-        try:
-            yield
-        finally:
-            self.lib.vs_set_row_prefetch(ROW_PREFETCH_CODES[self.row_prefetch])
+        return _at_level(self.lib.vs_set_row_prefetch, ROW_PREFETCH_CODES, "row prefetch", level, self.row_prefetch)
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -161,6 +147,19 @@ class Library:
         if rc:
             raise MemoryError("vs_attention: out of memory")
         return out
+
+
+@contextlib.contextmanager
+def _at_level(set_level: Callable[[int], int], codes: dict[str, int], what: str, level: str,
+              kept: str) -> Iterator[None]:
+    """`set_level(codes[level])` inside the block, `set_level(codes[kept])` after it."""
+    if level not in codes:
+        raise ValueError(f"{what} level {level!r} is not one of {', '.join(codes)}")
+    set_level(codes[level])
+    try:
+        yield
+    finally:
+        set_level(codes[kept])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
