@@ -149,33 +149,35 @@ def tiny_vocab_model(path, seed: int, scale: float):
     return m
 
 
-def exact_distribution(hf) -> torch.Tensor:
-    """P(x1 x2 x3 | PROMPT) for all V^3 continuations, from HF's forward, rows in continuation_index order."""
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=LENGTH)))  # [V^3, 3]
+def exact_distribution(hf, length: int = LENGTH) -> torch.Tensor:
+    """P(x1 .. x_length | PROMPT) for all V^length continuations, from HF's forward, rows in continuation_index
+    order."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=length)))  # [V^length, length]
     ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
     with torch.no_grad():
         logp = hf(ids).logits.log_softmax(-1)  # [V^3, len, V]
     n0 = len(PROMPT)
-    picked = logp[:, n0 - 1 : n0 - 1 + LENGTH].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
+    picked = logp[:, n0 - 1 : n0 - 1 + length].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^length, length]
     return picked.sum(-1).exp()
 
 
 def continuation_index(tokens: list[int]) -> int:
-    """The row of a 3-token continuation in exact_distribution's V^3 table."""
+    """The row of a continuation in exact_distribution's table of its length."""
     idx = 0
     for t in tokens:
         idx = idx * V + t
     return idx
 
 
-def batched_counts(llm, n: int, batch: int = 16) -> tuple[torch.Tensor, list]:
-    """n seeded continuations, `batch` requests decoding together: counts per continuation, and the outputs."""
+def batched_counts(llm, n: int, batch: int = 16, length: int = LENGTH) -> tuple[torch.Tensor, list]:
+    """n seeded continuations of `length` tokens, `batch` requests decoding together: counts per continuation, and
+    the outputs."""
     from verispec import SamplingParams
 
-    counts = torch.zeros(V**LENGTH)
+    counts = torch.zeros(V**length)
     outs = []
     for first in range(0, n, batch):
-        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, seed=first + i, ignore_eos=True)
+        params = [SamplingParams(temperature=1.0, max_tokens=length, seed=first + i, ignore_eos=True)
                   for i in range(batch)]
         outs += llm.generate([{"prompt_token_ids": PROMPT}] * batch, params, use_tqdm=False)
     for out in outs:
@@ -203,3 +205,22 @@ def eagle2_scores(logp, depth: int, topk: int, width: int | None, to_ids=None) -
 def best_paths(scores: dict[tuple[int, ...], float], budget: int) -> set[tuple[int, ...]]:
     """The `budget` most probable paths (ties: shorter first), EAGLE-2's final selection."""
     return set(sorted(scores, key=lambda p: (-scores[p], len(p)))[:budget])
+
+
+def assert_drawn_without_replacement(tree, first_row: torch.Tensor | None = None) -> None:
+    """A sampled tree's rows: each node's is a distribution giving its token mass, and below each parent the j-th
+    child's row is the first child's without the earlier children's tokens, renormalised (draws without
+    replacement from one q). first_row: the q the root's children must come from, computed by the caller."""
+    assert tree.probs is not None and tree.probs.shape[0] == len(tree.tokens)
+    siblings: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents):
+        siblings.setdefault(parent, []).append(i)
+    for kids in siblings.values():
+        q = tree.probs[kids[0]]
+        for j, c in enumerate(kids):
+            assert float(tree.probs[c][tree.tokens[c]]) > 0.0
+            want = q.clone()
+            want[[tree.tokens[e] for e in kids[:j]]] = 0.0
+            assert torch.allclose(tree.probs[c], want / want.sum(), atol=1e-6), (c, j)
+    if first_row is not None:
+        assert torch.allclose(tree.probs[siblings[-1][0]], first_row, atol=1e-6)

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import best_paths, eagle2_scores, hf_greedy, self_distilled_data, sharp_llama
+from tests.helpers import (assert_drawn_without_replacement, best_paths, eagle2_scores, hf_greedy, self_distilled_data,
+                           sharp_llama)
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
 from verispec.drafters.features import select, target_features
 from verispec.models.llama import Segment
@@ -502,6 +503,28 @@ def test_tree_is_the_most_probable_paths_scored_independently(trained, tiny, met
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_sampled_tree_draws_its_children_without_replacement(trained, tiny, method):
+    """At T > 0 each node's children are drawn from q (DSpark's: given the node's token) without replacement, the
+    root's from the q the chain draws its first token from; greedy trees carry no rows."""
+    m, _ = trained[method]
+    feats = torch.randn(7, len(m.cfg.feature_layers) * 32, generator=torch.Generator().manual_seed(4))
+    ctx = [5, 6, 7, 8, 9, 10, 11, 12]
+
+    def drafter(params):
+        d = DFlashDrafter(m, params)
+        d.add_features(feats)
+        return d
+
+    first = drafter(SamplingParams(temperature=1.0, seed=1)).propose(ctx, 1).probs[0]
+    trees = [drafter(SamplingParams(temperature=1.0, seed=s)).propose_tree(ctx, 7, 3) for s in range(4)]
+    for tree in trees:
+        assert len(tree.tokens) == 7
+        assert_drawn_without_replacement(tree, first)
+    assert len({t.tokens for t in trees}) > 1
+    assert drafter(GREEDY).propose_tree(ctx, 7, 3).probs is None
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_engine_tree_drafting_equals_hf_with_state_oracle(trained, tiny, tmp_path, method):
     """draft_tree on: greedy output equals HF's, the state oracle passes after every step (the accepted path's
     features are the ones handed on), and drafts get accepted."""
@@ -521,6 +544,10 @@ def test_engine_tree_drafting_equals_hf_with_state_oracle(trained, tiny, tmp_pat
         assert o.token_ids == hf_greedy(hf, p, 20)
         assert o.stats["drafter_error"] is None
     assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.0
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True) for i in range(3)]
+    a, b = (llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False) for _ in range(2))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]  # seeded, with the state oracle on throughout
+    assert all(o.stats["drafter_error"] is None for o in a)
     assert llm.engine.kv_tokens() == 0
 
 

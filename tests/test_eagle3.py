@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.helpers import best_paths, eagle2_scores, hf_greedy
+from tests.helpers import assert_drawn_without_replacement, best_paths, eagle2_scores, hf_greedy
 from verispec import LLM, SamplingParams
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load
 from verispec.drafters.eagle3_export import export_from_checkpoint
@@ -355,7 +355,32 @@ def test_tree_is_eagle2_selection_over_independently_scored_paths(setup, width):
     assert max(len(p) for p in got) > 1 and len({p[0] for p in got}) > 1  # a real tree: deep and branching
 
 
-def test_tree_drafting_in_the_engine_equals_hf_with_state_oracle(setup):
+def test_a_sampled_tree_draws_its_children_without_replacement(setup):
+    """At T > 0 the children are drawn from the head's q (not its top-k): rows as draws without replacement, the
+    root's children from the q the chain draws its first token from, and a greedy tree carries no rows."""
+    llm = setup["llm"]
+    head = load(setup["root"] / "head", llm.model)
+    seq = load_all(setup["root"] / "data")[1]
+    j = 9
+    ctx = seq.ids[: j + 2].tolist()
+    feats = seq.features(head.feature_layers).float()
+
+    def drafter(params):
+        d = Eagle3Drafter(head, params, max_len=64)
+        d.add_features(feats[: j + 1])
+        return d
+
+    params = SamplingParams(temperature=1.0, seed=4)
+    chain = drafter(params).propose(ctx, 1)
+    trees = [drafter(SamplingParams(temperature=1.0, seed=s)).propose_tree(ctx, 6, 3) for s in range(4)]
+    for tree in trees:
+        assert len(tree.tokens) == 6
+        assert_drawn_without_replacement(tree, chain.probs[0])
+    assert len({t.tokens for t in trees}) > 1  # drawn, not the top-k
+    assert drafter(SamplingParams(temperature=0)).propose_tree(ctx, 6, 3).probs is None
+
+
+def test_tree_drafting_in_the_engine_equals_hf_with_state_oracle(setup, monkeypatch):
     head_dir = str(setup["root"] / "head")
     llm = LLM(str(setup["root"] / "target"), dtype="float32", max_model_len=128, max_num_seqs=4, progress=False,
               speculative_config={"method": "eagle3", "model": head_dir, "num_speculative_tokens": 6,
@@ -367,7 +392,12 @@ def test_tree_drafting_in_the_engine_equals_hf_with_state_oracle(setup):
         assert o.token_ids == hf_greedy(setup["hf"], p, MAX_NEW)
     assert max(o.stats["mean_acceptance_length"] for o in outs) > 1.2
     sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(3)]
+    import verispec.engine.core as core
+
+    rows, real = [], core.verify_tree
+    monkeypatch.setattr(core, "verify_tree", lambda tree, *a: rows.append(tree.probs is not None) or real(tree, *a))
     a = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], sampled, use_tqdm=False)
+    assert rows and all(rows)  # the drawn children's rows reach the verifier
     b = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], sampled, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert llm.engine.kv_tokens() == 0

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import chi2_pvalue
+from verispec.drafters import tree_growth
+from verispec.drafters.tree_growth import Growth, draw_distinct
 from verispec.execution import tree_verify
 from verispec.models.tree import TreeDraft, ancestor_mask, depths, path_to
 from verispec.execution.tree_verify import verify_tree_greedy, verify_tree_sampled
@@ -100,9 +102,24 @@ Q_ROWS = Q.tolist()
 TOP2 = [Q[t].topk(2).indices.tolist() for t in range(V)]
 
 
-def build_tree(last: int, shape: str, rng: random.Random) -> TreeDraft:
+def grown_tree(last: int, g: torch.Generator) -> TreeDraft:
+    """What a sampled EAGLE-3 / draft-model proposal is: Growth with children drawn from Q without replacement,
+    the best newest node expanded, then the 3 best of the 8 candidate nodes by rank score. Its shape depends on the
+    draws (a parent's token picks the grandchildren's Q row), so it tests the rank scoring as well as the rows."""
+    tree = Growth(0, 1)
+    tree.expand([-1], Q[last].log()[None], q=Q[last][None], generator=g)
+    front = tree.frontier()
+    rows = [tree.token[i] for i in front]
+    tree.expand(front, Q[rows].log(), q=Q[rows], generator=g)
+    return tree.best(3)
+
+
+def build_tree(last: int, shape: str, rng: random.Random, g: torch.Generator | None = None) -> TreeDraft:
     """Depth-2 trees below `last`: `iid` (3 children each drawn from Q, 2 grandchildren below each), `topk` (Q's
-    top-2 below the root and below each child, deterministic), `ragged` (iid, 2 children, only the first expanded)."""
+    top-2 below the root and below each child, deterministic), `ragged` (iid, 2 children, only the first expanded),
+    `grown` (`grown_tree`)."""
+    if shape == "grown":
+        return grown_tree(last, g)
     if shape == "topk":
         tokens, parents = list(TOP2[last]), [-1, -1]
         for i, t in enumerate(TOP2[last]):
@@ -122,13 +139,14 @@ def build_tree(last: int, shape: str, rng: random.Random) -> TreeDraft:
 def sample_counts(shape: str, samples: int = SAMPLES) -> tuple[torch.Tensor, float]:
     """Counts over the V**3 continuations of token 0, and the mean accepted nodes per verification."""
     rng, g = random.Random(1234), torch.Generator().manual_seed(1234)  # the drafter's and the verifier's randomness
+    drafter_g = torch.Generator().manual_seed(99)
     counts = torch.zeros(V**LENGTH)
     accepted = steps = 0
     for _ in range(samples):
         out: list[int] = []
         while len(out) < LENGTH:
             last = out[-1] if out else 0
-            tree = build_tree(last, shape, rng)
+            tree = build_tree(last, shape, rng, drafter_g)
             p = P[[last] + list(tree.tokens)]  # [N + 1, V]: the Markov target's row after each query token
             verdict = verify_tree_sampled(tree, p, g)
             out += verdict.tokens
@@ -143,7 +161,8 @@ def exact() -> torch.Tensor:
     return (first[:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)  # P(x1) P(x2|x1) P(x3|x2)
 
 
-@pytest.mark.parametrize("shape, samples", [("iid", SAMPLES), ("topk", 8_000), ("ragged", 8_000)])
+@pytest.mark.parametrize("shape, samples", [("iid", SAMPLES), ("topk", 8_000), ("ragged", 8_000),
+                                           ("grown", 8_000)])
 def test_tree_sampling_matches_the_target_distribution(shape, samples):
     """Several i.i.d. siblings per node at 20,000 samples; the deterministic and the ragged shapes at fewer (CI time:
     still about 30 expected counts per cell)."""
@@ -159,4 +178,53 @@ def test_negative_control_without_the_residual_update_is_rejected(shape, monkeyp
     over-weights the drafted tokens; the same test must see it, here with 2,000 samples (p ~ 1e-200 at 4,000)."""
     monkeypatch.setattr(tree_verify, "residual", lambda p, q, x: p)
     counts, _ = sample_counts(shape, 2_000)
+    assert chi2_pvalue(counts, exact()) < 1e-3
+
+
+def test_siblings_drawn_without_replacement_follow_the_closed_form():
+    """The first two of draw_distinct's tokens against P(a, b) = q_a q_b / (1 - q_a), and the rows it returns are
+    q without the earlier draws, renormalised."""
+    q = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    g = torch.Generator().manual_seed(5)
+    counts = torch.zeros(V * V)
+    for _ in range(8_000):
+        toks, rows = draw_distinct(q, 2, g)
+        counts[toks[0] * V + toks[1]] += 1
+    exact_pairs = (q[:, None] * q[None, :] / (1 - q[:, None])).fill_diagonal_(0.0).reshape(-1)
+    assert chi2_pvalue(counts, exact_pairs) > 1e-3
+    toks, rows = draw_distinct(q, 4, g)
+    assert sorted(toks) == [0, 1, 2, 3] and rows.shape == (4, V)
+    for j in range(4):
+        want = q.clone()
+        want[toks[:j]] = 0.0
+        assert torch.allclose(rows[j], want / want.sum())
+    assert draw_distinct(torch.tensor([0.0, 1.0, 0.0, 0.0]), 4, g)[0] == [1]  # no more tokens than q covers
+
+
+def test_negative_control_grown_siblings_taken_as_iid_is_rejected(monkeypatch):
+    """Without-replacement siblings verified as if each were drawn from the whole of Q (the rows left
+    unrestricted): the later siblings are over-accepted, and the chi-square must see it."""
+    def as_iid(q, m, generator):
+        toks, rows = draw_distinct(q, m, generator)
+        return toks, q.expand(len(toks), -1)
+
+    monkeypatch.setattr(tree_growth, "draw_distinct", as_iid)
+    counts, _ = sample_counts("grown", 8_000)
+    assert chi2_pvalue(counts, exact()) < 1e-3
+
+
+def test_negative_control_scoring_a_draw_by_its_own_probability_is_rejected(monkeypatch):
+    """Scoring each drawn sibling by its own q (keeping the lucky draws) instead of by its rank: which siblings
+    are verified then depends on what they drew, and the verified distribution moves."""
+    real = Growth.expand
+
+    def own_scores(self, parents, logp, to_ids=None, q=None, generator=None):
+        n = len(self.token)
+        real(self, parents, logp, to_ids, q, generator)
+        for i in range(n, len(self.token)):
+            base = 0.0 if self.parent[i] < 0 else self.score[self.parent[i]]
+            self.score[i] = base + float(logp[parents.index(self.parent[i]), self.token[i]])
+
+    monkeypatch.setattr(Growth, "expand", own_scores)
+    counts, _ = sample_counts("grown", 2_000)  # p ~ 1e-231 at 4,000
     assert chi2_pvalue(counts, exact()) < 1e-3

@@ -42,6 +42,7 @@ from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetPart
 from verispec.drafters.features import own
 from verispec.drafters.dspark_head import calibrated_confidence
 from verispec.drafters.path_selector import walk
+from verispec.drafters.tree_growth import draw_distinct
 from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, sample_rows, target_probs
 from verispec.models.tree import TreeDraft
 
@@ -233,7 +234,9 @@ class DFlashDrafter:
     def propose_tree(self, context: Sequence[int], budget: int, depth: int) -> TreeDraft:
         """The `budget` most probable draft paths of at most `depth` tokens as one tree (parents listed first).
         Best first: pop the most probable open node (ties: shallower, then older), keep it, open its TREE_TOPK
-        children; a child is never more probable than its parent, so the kept nodes are ancestor-closed."""
+        children; a child is never more probable than its parent, so the kept nodes are ancestor-closed. Sampled
+        requests (but through the path selector) draw each node's children without replacement from q, scored by
+        rank (drafters/tree_growth.py says why), and the tree carries the distribution each was drawn from."""
         assert not self.released, "the drafter was released"
         n = len(context) - 1
         assert self.n == n, f"{self.name}: holds features for {self.n} positions, the context needs {n}"
@@ -242,12 +245,16 @@ class DFlashDrafter:
         if depth <= 0 or n + B > self.model.parts.max_positions:
             return TreeDraft((), ())
         h, U = self.block(int(context[-1]), n)  # [B, d], [B - 1, V]
-        sel, embed = self.model.selector, self.model.parts.embed
+        sel, embed, p = self.model.selector, self.model.parts.embed, self.params
         lat = sel.lattice(U[:depth], h[1 : depth + 1], embed) if sel is not None else None
+        sampled = not p.greedy and lat is None
         plain = None if self.model.markov is not None or lat is not None else \
             torch.log_softmax(U[:depth].float(), -1).topk(TREE_TOPK)
+        plain_q = target_probs(U[:depth], p.temperature, p.top_k, p.top_p) if sampled and plain else None  # [D, V]
         tokens: list[int] = []
         parents: list[int] = []
+        drawn: list[torch.Tensor] = []  # sampled: each kept node's q
+        rows: dict[int, torch.Tensor] = {}  # sampled: each open node's q, by its order
         heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, order, parent node, token)
         order = 0
 
@@ -255,8 +262,10 @@ class DFlashDrafter:
             nonlocal order
             if d > depth:
                 return
+            q = None
             if plain is not None:
                 vals, idx = plain.values[d - 1], plain.indices[d - 1]
+                q = None if plain_q is None else plain_q[d - 1]
             elif lat is not None:  # the selector's step distribution over the m candidates given this node
                 z = sel.next_logits(lat, d - 1, prev, embed)
                 vals, j = torch.log_softmax(z, -1).topk(min(TREE_TOPK, z.shape[0]))
@@ -264,14 +273,20 @@ class DFlashDrafter:
             else:
                 z = U[d - 1].float() + self.model.markov.bias(torch.tensor(prev, device=self.device)).float()
                 vals, idx = torch.log_softmax(z, -1).topk(TREE_TOPK)
-            for v, t in zip(vals.tolist(), idx.tolist()):
+                q = target_probs(z[None], p.temperature, p.top_k, p.top_p)[0] if sampled else None
+            toks, qs = (idx.tolist(), None) if q is None else draw_distinct(q, TREE_TOPK, self.generator)
+            for j, (v, t) in enumerate(zip(vals.tolist(), toks)):
                 heapq.heappush(heap, (-(score + v), d, order, node, t))
+                if qs is not None:
+                    rows[order] = qs[j]
                 order += 1
 
         open_children(-1, int(context[-1]), 1, 0.0)
         while heap and len(tokens) < budget:
-            neg, d, _, parent, tok = heapq.heappop(heap)
+            neg, d, o, parent, tok = heapq.heappop(heap)
             tokens.append(tok)
             parents.append(parent)
+            if sampled:
+                drawn.append(rows.pop(o))
             open_children(len(tokens) - 1, tok, d + 1, -neg)
-        return TreeDraft(tuple(tokens), tuple(parents))
+        return TreeDraft(tuple(tokens), tuple(parents), torch.stack(drawn) if drawn else None)

@@ -112,7 +112,7 @@ class DraftModelDrafter:
         self.cache.commit(self.slot, len(feed) - 1)  # the root's K/V is rewritten by every tree forward
         self.n_cached = len(context) - 1
         self._ctx_len, self._fed_drafts = self.n_cached, 0  # observe() keeps exactly the committed context[:-1]
-        tree.expand([-1], torch.log_softmax(out.logits[:1].float(), -1))
+        self._expand(tree, [-1], out.logits[:1])
         for _ in range(depth - 1):
             frontier = tree.frontier()
             if not frontier:
@@ -126,8 +126,15 @@ class DraftModelDrafter:
             out = self.model(toks, [Segment(self.slot, self.n_cached, len(run) + 1, tree=parents)], self.cache,
                              logits_indices=[node[i] + 1 for i in frontier])
             self.cache.rollback(self.slot, self.n_cached)
-            tree.expand(frontier, torch.log_softmax(out.logits.float(), -1))  # [len(frontier), V]
+            self._expand(tree, frontier, out.logits)  # [len(frontier), V]
         return tree
+
+    def _expand(self, tree: Growth, parents: list[int], logits: torch.Tensor) -> None:
+        """logits: [len(parents), V] below each parent; sampled requests draw the children from q as `propose`
+        draws its tokens."""
+        p = self.params
+        q = None if p.greedy else target_probs(logits, p.temperature, p.top_k, p.top_p)
+        tree.expand(parents, torch.log_softmax(logits.float(), -1), None, q, self.generator)
 
     def observe(self, accepted: int) -> None:
         """Keep the cached drafts the target accepted; the rest of the draft KV becomes invisible."""

@@ -346,15 +346,22 @@ class Eagle3Drafter:
             return Growth(self.n_kv, width)
         h = self._catch_up(context)  # [1, d]
         tree = Growth(self.n_kv, width)  # scratch rows start after the rows _catch_up committed
-        tree.expand([-1], torch.log_softmax(self.head.logits(h).float(), -1), self.head.to_target_ids)
+        self._expand(tree, [-1], self.head.logits(h))
         for _ in range(depth - 1):
             frontier = tree.frontier()
             h_parent = torch.cat([h if tree.parent[i] < 0 else tree.out[tree.parent[i]] for i in frontier])
             out = self._run_nodes(tree, frontier, h_parent)  # [w, d]
             for i, hi in zip(frontier, out):
                 tree.out[i] = hi[None]
-            tree.expand(frontier, torch.log_softmax(self.head.logits(out).float(), -1), self.head.to_target_ids)
+            self._expand(tree, frontier, self.head.logits(out))
         return tree
+
+    def _expand(self, tree: Growth, parents: list[int], logits: torch.Tensor) -> None:
+        """logits: [len(parents), Vd] the head's draft logits below each parent. Sampled requests draw the children
+        from q as the chain's tokens are drawn (`_pick`)."""
+        p = self.params
+        q = None if p.greedy else target_probs(self.head.full_logits(logits), p.temperature, p.top_k, p.top_p)
+        tree.expand(parents, torch.log_softmax(logits.float(), -1), self.head.to_target_ids, q, self.generator)
 
     def _run_nodes(self, tree: Growth, nodes: list[int], h_parent: torch.Tensor) -> torch.Tensor:
         """Run tree nodes (all of one depth) as one batch: K/V to the scratch rows after the committed ones, in

@@ -1,6 +1,13 @@
 """EAGLE-2's dynamic draft tree while it grows, for drafters that run a network per depth (EAGLE-3's head, a draft
 model): every candidate node (token, parent, depth, cumulative draft log-probability), which nodes have been run
-(their scratch K/V row and output), the frontier expanded next, and the final `budget` best nodes as a TreeDraft."""
+(their scratch K/V row and output), the frontier expanded next, and the final `budget` best nodes as a TreeDraft.
+
+Sampled requests draw each node's children without replacement from the drafter's q (`draw_distinct`): each child
+carries the distribution it was drawn from, the verifier's multi-draft rule takes them as they come, and the first
+child is accepted as often as a chain's token (1 - TV(p, q)) where a top-k child (a point mass) is accepted with p of
+it alone. A sampled child is scored by its rank's draft probability (the j-th largest of q), never by its own token:
+then the siblings a tree keeps are always the first ones drawn, and which are kept never depends on what a kept one
+drew (scoring by its own q would keep the lucky draws and bias the verified distribution)."""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from verispec.execution.sampling import sample_index
 from verispec.models.tree import TreeDraft
 
 TREE_TOPK = 4  # children considered per expanded node (EAGLE-2's top-k)
@@ -22,6 +30,26 @@ def frontier_width(budget: int) -> int:
     return max(1, min(TREE_TOPK, budget // NODES_PER_WIDTH))
 
 
+def draw_distinct(q: torch.Tensor, m: int, generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+    """Up to m distinct tokens drawn one after another from q [V] without replacement (each from q without the
+    earlier ones, renormalised; fewer where q has fewer nonzero entries) and the distribution each was drawn from,
+    [m', V] (Recursive Speculative Decoding, Jeon et al. 2024: with these rows the multi-draft rule stays exact)."""
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    left = q.clone()
+    for _ in range(m):
+        total = float(left.sum())
+        if total <= 0.0:
+            break
+        row = left / total
+        t = sample_index(row, generator)
+        tokens.append(t)
+        rows.append(row)
+        left = left.clone()
+        left[t] = 0.0
+    return tokens, torch.stack(rows) if rows else q.new_zeros((0, q.shape[-1]))
+
+
 class Growth:
     def __init__(self, first_row: int, width: int) -> None:
         self.token: list[int] = []
@@ -30,25 +58,33 @@ class Growth:
         self.score: list[float] = []
         self.row: dict[int, int] = {}  # run node -> its scratch K/V row (drafters that keep one)
         self.out: dict[int, torch.Tensor] = {}  # run node -> its output [1, d] (drafters that feed it on)
+        self.q: dict[int, torch.Tensor] = {}  # sampled node -> the distribution [V] it was drawn from
         self.next_row, self.width = first_row, width
         self._newest: list[int] = []
 
     def expand(self, parents: list[int], logp: torch.Tensor,
-               to_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """The TREE_TOPK most probable tokens after each of `parents` (-1: the root), one top-k over all their rows.
-        logp: [len(parents), V'] log-probabilities; `to_ids` maps its indices to token ids (a reduced draft
-        vocabulary), else the index is the token."""
+               to_ids: Callable[[torch.Tensor], torch.Tensor] | None = None, q: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> None:
+        """TREE_TOPK children below each of `parents` (-1: the root), scored by the top-k of each row of `logp`
+        ([len(parents), V'] log-probabilities; `to_ids` maps its indices to token ids, a reduced draft vocabulary).
+        Greedy (q None) the children are those top-k tokens. Sampled, q [len(parents), V] is what each parent's
+        children are drawn from (`draw_distinct`), the j-th drawn scored by the j-th largest of logp's row."""
         vals, idx = logp.topk(min(TREE_TOPK, logp.shape[-1]), dim=-1)  # [w, k]
-        toks = (idx if to_ids is None else to_ids(idx)).tolist()
-        for parent, row_vals, row_toks in zip(parents, vals.tolist(), toks):
+        if q is None:
+            draws = [(toks, None) for toks in (idx if to_ids is None else to_ids(idx)).tolist()]
+        else:
+            draws = [draw_distinct(row, vals.shape[-1], generator) for row in q]
+        for parent, row_vals, (row_toks, rows) in zip(parents, vals.tolist(), draws):
             base = 0.0 if parent < 0 else self.score[parent]
             d = 1 if parent < 0 else self.depth[parent] + 1
-            for val, tok in zip(row_vals, row_toks):
+            for j, (val, tok) in enumerate(zip(row_vals, row_toks)):
                 self.token.append(int(tok))
                 self.parent.append(parent)
                 self.depth.append(d)
                 self.score.append(base + val)
                 self._newest.append(len(self.token) - 1)
+                if rows is not None:
+                    self.q[len(self.token) - 1] = rows[j]
 
     def frontier(self) -> list[int]:
         """The `width` most probable of the newest children: the nodes expanded next."""
@@ -70,4 +106,5 @@ class Growth:
         keep.sort(key=lambda i: (self.depth[i], i))
         index = {n: j for j, n in enumerate(keep)}
         return TreeDraft(tuple(self.token[i] for i in keep),
-                         tuple(-1 if self.parent[i] < 0 else index[self.parent[i]] for i in keep))
+                         tuple(-1 if self.parent[i] < 0 else index[self.parent[i]] for i in keep),
+                         torch.stack([self.q[i] for i in keep]) if keep and self.q else None)

@@ -253,7 +253,8 @@ class Engine:
         t_verify = time.perf_counter()
         rows = None  # a tree's: the block rows of the root and the accepted path (KV kept, logits emitted from)
         if d.parents is not None and d.tokens:
-            tv = verify_tree(TreeDraft(tuple(d.tokens), d.parents), out.logits(block), lv.req.params, lv.generator)
+            tv = verify_tree(TreeDraft(tuple(d.tokens), d.parents, d.probs), out.logits(block), lv.req.params,
+                             lv.generator)
             verdict, rows = Verdict(tv.accepted, tv.tokens), [0] + [1 + n for n in tv.path]
         else:
             verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)

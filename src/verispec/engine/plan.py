@@ -133,7 +133,7 @@ class LiveRequest:
         try:
             if self.tree_now and hasattr(self.drafter, "propose_tree"):
                 tree = self.drafter.propose_tree(self.req.all_ids, k, k)  # type: ignore[union-attr]
-                d = Draft(list(tree.tokens), parents=tree.parents)
+                d = Draft(list(tree.tokens), tree.probs, parents=tree.parents)
             elif floor > 0 and self.stops_early:
                 d = self.drafter.propose(self.req.all_ids, k, min_survival=floor)  # type: ignore[call-arg]
             else:
