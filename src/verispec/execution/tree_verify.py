@@ -4,14 +4,16 @@ Notation as in verify.py and tree.py: one target forward over [root, node 0..N-1
 root's children and p_{1+i} for node i's. Verification walks down from the root:
 
   greedy   - move to the child whose token is argmax p at the current node; where none is, emit that argmax.
-  sampling - at the current node, with r = p: try its children in order. A child x drawn from q (siblings i.i.d.
-             from the same q) is accepted with probability min(1, r(x) / q(x)); a deterministic child (a point
+  sampling - at the current node, with r = p: try its children in order. A child x drawn from its row q (siblings
+             i.i.d. from one q, or drawn without replacement, each row q without the earlier siblings,
+             renormalised) is accepted with probability min(1, r(x) / q(x)); a deterministic child (a point
              mass) with probability r(x). On a rejection r becomes the residual norm(max(0, r - q)) (for a point
              mass: r without x, renormalised) and the next sibling is tried against it. On an acceptance the walk
              moves to that child with r = its own p. When no child is accepted, or the node is a leaf, one token is
              drawn from r.
-The sampled walk keeps the target's distribution exactly (SpecInfer's multi-step speculative sampling; the
-point-mass case is the same rule with q one-hot). A path of n nodes emits n + 1 tokens.
+The sampled walk keeps the target's distribution exactly (SpecInfer's multi-step speculative sampling; without
+replacement, Recursive Speculative Decoding's; the point-mass case is the same rule with q one-hot). A path of n
+nodes emits n + 1 tokens.
 """
 
 from __future__ import annotations
