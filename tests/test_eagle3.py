@@ -316,6 +316,15 @@ def _path(tree, i: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _head_at_a_context(setup):
+    """The trained head, a context of j + 2 tokens from its training data, that sequence's features and j (a
+    drafter for the context is fed features[: j + 1])."""
+    head = load(setup["root"] / "head", setup["llm"].model)
+    seq = load_all(setup["root"] / "data")[1]
+    j = 9
+    return head, seq.ids[: j + 2].tolist(), seq.features(head.feature_layers).float(), j
+
+
 @pytest.mark.parametrize("width", [1, 4])
 def test_tree_is_eagle2_selection_over_independently_scored_paths(setup, width):
     """The drafter's tree (one batched head run per depth, tree-masked scratch K/V) against EAGLE-2's selection
@@ -323,12 +332,7 @@ def test_tree_is_eagle2_selection_over_independently_scored_paths(setup, width):
     expands one chain (no mask needed), width 4 several branches per depth (each sees only its own ancestors)."""
     from verispec.drafters.tree_growth import TREE_TOPK, frontier_width
 
-    llm = setup["llm"]
-    head = load(setup["root"] / "head", llm.model)
-    seq = load_all(setup["root"] / "data")[1]
-    j = 9
-    ctx = seq.ids[: j + 2].tolist()
-    feats = seq.features(head.feature_layers).float()
+    head, ctx, feats, j = _head_at_a_context(setup)
     budget, depth = 6, 3
 
     def logp(path: tuple[int, ...]) -> torch.Tensor:  # [Vd] draft log-probabilities after ctx + path
@@ -358,12 +362,7 @@ def test_tree_is_eagle2_selection_over_independently_scored_paths(setup, width):
 def test_a_sampled_tree_draws_its_children_without_replacement(setup):
     """At T > 0 the children are drawn from the head's q (not its top-k): rows as draws without replacement, the
     root's children from the q the chain draws its first token from, and a greedy tree carries no rows."""
-    llm = setup["llm"]
-    head = load(setup["root"] / "head", llm.model)
-    seq = load_all(setup["root"] / "data")[1]
-    j = 9
-    ctx = seq.ids[: j + 2].tolist()
-    feats = seq.features(head.feature_layers).float()
+    head, ctx, feats, j = _head_at_a_context(setup)
 
     def drafter(params):
         d = Eagle3Drafter(head, params, max_len=64)
