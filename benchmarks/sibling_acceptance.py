@@ -22,20 +22,21 @@ Conditions (MEASURE.md):
 
 from __future__ import annotations
 
-import argparse
 import heapq
+import sys
 
 import torch
 
-from verispec import LLM, SamplingParams
+from verispec import SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.eagle3 import Eagle3Drafter
-from verispec.drafters.eagle3 import load as load_head
 from verispec.drafters.features import select
-from verispec.drafters.shipped import resolve
 from verispec.drafters.tree_growth import TREE_TOPK, draw_distinct
 from verispec.execution.sampling import target_probs
 from verispec.execution.verify import residual
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from tree_calibration import eagle3_parser, load_eagle3  # noqa: E402 (a sibling script)
 
 
 def sibling_rates(p: torch.Tensor, q: torch.Tensor, sims: int, g: torch.Generator) -> tuple[list[int], list[int]]:
@@ -73,19 +74,13 @@ def modelled_tau(a: list[float], n: int) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--eagle3", default="smollm2-135m-instruct-eagle3", help="the EAGLE-3 head (shipped name or dir)")
-    ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap = eagle3_parser(__doc__, 96)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--sims", type=int, default=16, help="Monte Carlo rounds of siblings per position")
     ap.add_argument("--nodes", default="4,7,16", help="tree sizes to model")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     args = ap.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
-    head = load_head(resolve(args.eagle3), llm.model)
+    llm, head = load_eagle3(args)
     nodes = [int(n) for n in args.nodes.split(",")]
     g = torch.Generator().manual_seed(0)
     T = args.temperature

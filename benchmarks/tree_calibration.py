@@ -103,17 +103,29 @@ def calibration_rows(tested: list[tuple[float, int, bool]]) -> list[str]:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def eagle3_parser(doc: str, max_tokens: int) -> argparse.ArgumentParser:
+    """The arguments of the EAGLE-3 replays (this script and sibling_acceptance.py): target, dtype, head, prompts
+    per workload and tokens per continuation."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--eagle3", default="smollm2-135m-instruct-eagle3", help="the EAGLE-3 head (shipped name or dir)")
     ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    return ap
+
+
+def load_eagle3(args: argparse.Namespace):
+    """(the target as an LLM, the EAGLE-3 head loaded beside it)."""
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
+    return llm, load_head(resolve(args.eagle3), llm.model)
+
+
+def main(argv=None) -> int:
+    ap = eagle3_parser(__doc__, 128)
     ap.add_argument("--k", default="4,8,16", help="tree node budgets (= chain lengths)")
     args = ap.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
-    head = load_head(resolve(args.eagle3), llm.model)
+    llm, head = load_eagle3(args)
     ks = [int(k) for k in args.k.split(",")]
     print(f"\n## Tree vs chain, measured and predicted from EAGLE-3's draft probabilities: {args.model} "
           f"({args.dtype}), greedy, {args.limit} prompts per workload, {args.max_tokens} max tokens\n")
