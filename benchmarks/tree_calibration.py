@@ -48,7 +48,7 @@ def replay_step(drafter: Eagle3Drafter, context: list[int], future: list[int], k
     target tested ([(draft probability given the parent, sibling rank, accepted)]), the tree's and the chain's
     accepted draft tokens, and their predicted committed tokens (1 + the kept nodes' cumulative probabilities)."""
     g = drafter._grow(context, k, k)
-    keep = sorted(range(len(g.token)), key=lambda i: (-g.score[i], g.depth[i], i))[:k]  # what Growth.best keeps
+    keep = g.kept(k)  # the nodes Growth.best makes the tree of
     kids: dict[int, list[int]] = defaultdict(list)
     for i, par in enumerate(g.parent):
         kids[par].append(i)  # in rank order (Growth adds a node's children best first)

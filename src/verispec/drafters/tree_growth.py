@@ -115,11 +115,15 @@ class Growth:
             i = self.parent[i]
         return out
 
-    def best(self, budget: int) -> TreeDraft:
+    def kept(self, budget: int) -> list[int]:
         """The `budget` most probable nodes (ties: shallower, then earlier), parents listed first. Ancestor-closed:
         a path's cumulative log-probability never grows, so a kept node's parent scores at least as high."""
         keep = sorted(range(len(self.token)), key=lambda i: (-self.score[i], self.depth[i], i))[:budget]
-        keep.sort(key=lambda i: (self.depth[i], i))
+        return sorted(keep, key=lambda i: (self.depth[i], i))
+
+    def best(self, budget: int) -> TreeDraft:
+        """The `kept` nodes as a TreeDraft (with the rows sampled nodes were drawn from)."""
+        keep = self.kept(budget)
         index = {n: j for j, n in enumerate(keep)}
         return TreeDraft(tuple(self.token[i] for i in keep),
                          tuple(-1 if self.parent[i] < 0 else index[self.parent[i]] for i in keep),
