@@ -251,6 +251,7 @@ class DFlashDrafter:
         plain = None if self.model.markov is not None or lat is not None else \
             torch.log_softmax(U[:depth].float(), -1).topk(TREE_TOPK)
         plain_q = target_probs(U[:depth], p.temperature, p.top_k, p.top_p) if sampled and plain else None  # [D, V]
+        plain_cdf = None if plain_q is None else plain_q.double().cumsum(-1)  # [D, V]: every node of a depth draws
         tokens: list[int] = []
         parents: list[int] = []
         drawn: list[torch.Tensor] = []  # sampled: each kept node's q
@@ -262,10 +263,10 @@ class DFlashDrafter:
             nonlocal order
             if d > depth:
                 return
-            q = None
+            q = cdf = None
             if plain is not None:
                 vals, idx = plain.values[d - 1], plain.indices[d - 1]
-                q = None if plain_q is None else plain_q[d - 1]
+                q, cdf = (None, None) if plain_q is None else (plain_q[d - 1], plain_cdf[d - 1])
             elif lat is not None:  # the selector's step distribution over the m candidates given this node
                 z = sel.next_logits(lat, d - 1, prev, embed)
                 vals, j = torch.log_softmax(z, -1).topk(min(TREE_TOPK, z.shape[0]))
@@ -274,7 +275,7 @@ class DFlashDrafter:
                 z = U[d - 1].float() + self.model.markov.bias(torch.tensor(prev, device=self.device)).float()
                 vals, idx = torch.log_softmax(z, -1).topk(TREE_TOPK)
                 q = target_probs(z[None], p.temperature, p.top_k, p.top_p)[0] if sampled else None
-            toks, qs = (idx.tolist(), None) if q is None else draw_distinct(q, TREE_TOPK, self.generator)
+            toks, qs = (idx.tolist(), None) if q is None else draw_distinct(q, TREE_TOPK, self.generator, cdf)
             for j, (v, t) in enumerate(zip(vals.tolist(), toks)):
                 heapq.heappush(heap, (-(score + v), d, order, node, t))
                 if qs is not None:

@@ -29,15 +29,17 @@ def frontier_width(budget: int) -> int:
     return max(1, min(TREE_TOPK, budget // NODES_PER_WIDTH))
 
 
-def draw_distinct(q: torch.Tensor, m: int, generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+def draw_distinct(q: torch.Tensor, m: int, generator: torch.Generator | None, cdf: torch.Tensor | None = None
+                  ) -> tuple[list[int], torch.Tensor]:
     """Up to m distinct tokens drawn one after another from q [V] without replacement (each from q without the
     earlier ones, renormalised; fewer where q has fewer nonzero entries) and the distribution each was drawn from,
     [m', V] (Recursive Speculative Decoding, Jeon et al. 2024: with these rows the multi-draft rule stays exact).
 
     One float64 running sum for all draws, as `sample_rows` draws one token: the j-th uniform is spread over the
     mass not yet drawn and carried past the drawn tokens' intervals (four draws over a 49,152-token vocabulary: about
-    a third of the time of a running sum per draw)."""
-    cdf = q.double().cumsum(0)  # [V]
+    a third of the time of a running sum per draw). cdf: q's float64 running sum where the caller keeps it for
+    several draws from one q."""
+    cdf = q.double().cumsum(0) if cdf is None else cdf  # [V]
     total = float(cdf[-1])
     u = torch.rand(m, dtype=torch.float64, generator=generator, device=q.device).tolist()
     tokens: list[int] = []
