@@ -86,7 +86,7 @@ def reference_block(w: dict, conf: dict, feats, block_emb, p: int):
 
 def ours(m: DFlashModel, model, ids: list[int], prev: torch.Tensor):
     """Our drafter on context ids[:-1], anchor ids[-1]: (logits [B-1, V], corrected, confidence logits)."""
-    from verispec.drafters.features import target_features
+    from verispec.execution.features import target_features
 
     feats, _ = target_features(model, ids, m.cfg.feature_layers)
     p = len(ids) - 1
@@ -144,7 +144,9 @@ def test_dflash_layout_reads_back_to_the_same_logits(target, tmp_path):
         hs = hf(torch.tensor([IDS]), output_hidden_states=True).hidden_states  # z-lab: hidden_states[id + 1]
     feats = torch.cat([hs[i + 1][0] for i in conf["dflash_config"]["target_layer_ids"]], -1)
     p, B = len(IDS) - 1, conf["block_size"]
-    mask = torch.load(out / "mask_embedding.pt")
+    mask_file = torch.load(out / "mask_embedding.pt", weights_only=True)  # llama.cpp's layout (test_exports.py)
+    assert mask_file["mask_token_id"] == conf["dflash_config"]["mask_token_id"]
+    mask = mask_file["embedding"]
     emb = torch.cat([hf.model.embed_tokens.weight[IDS[-1]][None], mask.expand(B - 1, -1)]).detach()
     z_ref = reference_block(w, conf, feats[:p], emb, p)[1:] @ hf.lm_head.weight.detach().t()
     z, _, _ = ours(m, model, IDS, torch.tensor([0]))

@@ -14,8 +14,12 @@ W2 W1[x_{k-1}] and the confidence logit w^T [h_k ; W1 x_{k-1}] + b.
     confidence_head.proj (bias included) and our calibration temperatures under `verispec_confidence_temperatures`.
   dflash (z-lab's DFlashDraftModel; vLLM's and SGLang's DFlash loaders): a Qwen3 config with `block_size`,
     `num_target_layers` and `dflash_config` {target_layer_ids (0-based layers whose output is read), mask_token_id};
-    no embedding or output matrix (the target's are shared) and the learned mask vector in `mask_embedding.pt`
-    (z-lab's file; an engine that ignores it embeds mask_token_id's own row: worse drafts, never other output).
+    no embedding or output matrix (the target's are shared) and the learned mask vector in `mask_embedding.pt`, a
+    torch.save'd dict {"mask_token_id": int (= dflash_config.mask_token_id), "embedding": tensor [hidden_size]}: the
+    layout llama.cpp's convert_hf_to_gguf.py reads (conversion/qwen.py, DFlashModel.generate_extra_tensors: it
+    writes that row into the target's embedding table it embeds in the draft GGUF, so it needs --target-model-dir).
+    z-lab's own DFlashDraftModel reads no such file: it, and any engine that ignores the file, embeds
+    mask_token_id's own row of the target's table (worse drafts, never other output).
     DSpark has no layout here: DeepSpec's and SGLang's DSpark train slot k to draft p+k+1, a different model.
 """
 
@@ -29,10 +33,10 @@ from safetensors.torch import save_file
 
 from verispec.config import ModelConfig
 from verispec.drafters.dflash_model import DFlashModel
+from verispec.models.loader import HF_ARCHITECTURES
 
 FORMATS = ("speculators", "dflash")
-HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM"}
+MASK_FILE = "mask_embedding.pt"  # the dflash layout's learned mask vector, {"mask_token_id": int, "embedding": [d]}
 _LAYER = {"input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight":
           "post_attention_layernorm.weight", "q_proj.weight": "self_attn.q_proj.weight", "k_proj.weight":
           "self_attn.k_proj.weight", "v_proj.weight": "self_attn.v_proj.weight", "o_proj.weight":
@@ -108,9 +112,9 @@ def export(model: DFlashModel, target, out_dir: str | Path, fmt: str = "speculat
                         "markov_head.markov_w2.weight": sd["markov.w2.weight"],
                         "confidence_head.proj.weight": sd["markov.confidence.weight"],
                         "confidence_head.proj.bias": sd["markov.confidence.bias"]}
-        config = _speculators_config(model, layers, mask, verifier, HF_ARCH.get(t.model_type, "LlamaForCausalLM"))
+        config = _speculators_config(model, layers, mask, verifier, HF_ARCHITECTURES.get(t.model_type, "LlamaForCausalLM"))
     else:
-        torch.save(mask_vec.to(dtype).clone(), out / "mask_embedding.pt")
+        torch.save({"mask_token_id": mask, "embedding": mask_vec.to(dtype).clone()}, out / MASK_FILE)
         config = {**layers, "architectures": ["DFlashDraftModel"], "block_size": c.block_size,
                   "num_target_layers": t.num_layers,
                   "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": mask}}
