@@ -24,10 +24,16 @@ TokenText = Callable[[int], str]
 BadRequest = Callable[[str, str], Exception]  # (message, param) -> the 400 to raise (protocol.bad_request)
 
 
+def _shown(v: Any) -> str:
+    """A value quoted back in an error, cut short (a client may send a megabyte where a number belongs)."""
+    text = json.dumps(v) if not isinstance(v, (list, dict)) or len(v) <= 16 else f"a list or object of {len(v)}"
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
+
+
 def _int_in(v: Any, key: str, hi: int, bad: BadRequest) -> int:
     ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
     if not ok or not 0 <= int(v) <= hi:
-        raise bad(f"'{key}' must be an integer from 0 to {hi}, got {json.dumps(v)}.", key)
+        raise bad(f"'{key}' must be an integer from 0 to {hi}, got {_shown(v)}.", key)
     return int(v)
 
 
@@ -41,7 +47,7 @@ def parse_logprobs(body: dict, kind: str, bad: BadRequest) -> int | None:
         return None if lp is None else _int_in(lp, "logprobs", MAX_COMPLETION_LOGPROBS, bad)
     if lp is not None and not isinstance(lp, bool):
         raise bad(f"'logprobs' must be true or false on /v1/chat/completions (with 'top_logprobs': 0 to "
-                   f"{MAX_CHAT_TOP_LOGPROBS} for the most likely tokens), got {json.dumps(lp)}.", "logprobs")
+                   f"{MAX_CHAT_TOP_LOGPROBS} for the most likely tokens), got {_shown(lp)}.", "logprobs")
     k = 0 if top is None else _int_in(top, "top_logprobs", MAX_CHAT_TOP_LOGPROBS, bad)
     if k > 0 and lp is not True:
         raise bad("'top_logprobs' needs \"logprobs\": true.", "top_logprobs")

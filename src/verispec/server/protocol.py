@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE = 1e-5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16  # choices per request (`n`)
+# what one request may carry beyond its prompt: enough for any real use, small enough that no request's bookkeeping
+# costs the others (a 2M-entry stop_token_ids list once stalled every stream; issue 67)
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # per stop string: it is searched in the output text after every commit
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+MAX_ECHOED_NAME = 64  # characters of an unknown field name quoted back in an error
 
 
 class APIError(Exception):
@@ -78,9 +85,15 @@ def _no_constants(name: str) -> Any:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 unless it is UTF-8 (json.loads alone would also take UTF-16 and UTF-32)."""
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"The request body is not UTF-8 text (byte {e.start} cannot be decoded): send JSON "
+                          "encoded as UTF-8.") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constants)
+    except ValueError as e:
         raise bad_request(f"The request body is not valid JSON ({e}). Send a JSON object with "
                           "Content-Type: application/json.") from None
     except RecursionError:
@@ -101,7 +114,7 @@ def _int(body: dict, key: str, default: int | None, lo: int | None = None, hi: i
     if v is None:
         return default
     if not _is_int(v):
-        raise bad_request(f"'{key}' must be an integer{what}, got {json.dumps(v)}.", key)
+        raise bad_request(f"'{key}' must be an integer{what}, got {shown(v)}.", key)
     v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise bad_request(f"'{key}' must be an integer{what}, got {v}.", key)
@@ -113,7 +126,7 @@ def _num(body: dict, key: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"'{key}' must be a number, got {json.dumps(v)}.", key)
+        raise bad_request(f"'{key}' must be a number, got {shown(v)}.", key)
     return float(v)
 
 
@@ -122,12 +135,17 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_request(f"'{key}' must be true or false, got {json.dumps(v)}.", key)
+        raise bad_request(f"'{key}' must be true or false, got {shown(v)}.", key)
     return v
 
 
-def _token_ids(v: Any, key: str, vocab: int) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+def _token_ids(v: Any, key: str, vocab: int, most: int | None = None, why: str = "") -> list[int]:
+    """`v` as token ids in [0, vocab); with `most`, 400 for more than that many before looking at any."""
+    if not isinstance(v, list):
+        raise bad_request(f"'{key}' must be a list of integer token ids.", key)
+    if most is not None and len(v) > most:
+        raise bad_request(f"'{key}' holds {len(v)} token ids; send at most {most}{why}.", key)
+    if not all(_is_int(t) for t in v):
         raise bad_request(f"'{key}' must be a list of integer token ids.", key)
     ids = [int(t) for t in v]
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -158,15 +176,61 @@ def _same(v: Any, neutral: Any) -> bool:
     return v == neutral  # 0 == 0.0; values of other types never compare equal
 
 
+def shown(v: Any, most: int = 80) -> str:
+    """A client's value as quoted back in an error: its JSON when short, else what it is and how big (never the
+    whole of a megabyte list)."""
+    if isinstance(v, (list, dict)) and len(v) > 16:
+        return f"a JSON {_json_type(v)} of {len(v)} entries"
+    text = json.dumps(v)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+def _echo(name: str) -> str:
+    """A client's field name as quoted back: at most MAX_ECHOED_NAME characters."""
+    return name if len(name) <= MAX_ECHOED_NAME else f"{name[:MAX_ECHOED_NAME]}... ({len(name)} characters)"
+
+
 def _check_keys(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
+    unknown = [k for k in body if k not in allowed]
     if unknown:
-        raise bad_request(f"Unrecognized request argument(s): {', '.join(unknown)}. Supported: "
-                          f"{', '.join(sorted(allowed - _IGNORED))}.", unknown[0])
+        shown = ", ".join(_echo(k) for k in sorted(unknown)[:5]) + (f" and {len(unknown) - 5} more"
+                                                                    if len(unknown) > 5 else "")
+        raise bad_request(f"Unrecognized request argument(s): {shown}. Supported: "
+                          f"{', '.join(sorted(allowed - _IGNORED))}.", _echo(min(unknown)))
+    _check_bookkeeping(body)
     for key, neutral in _NEUTRAL.items():
         if key in body and not any(_same(body[key], n) for n in neutral):
             hint = _HINTS.get(key, f"remove '{key}' or send its default")
-            raise bad_request(f"'{key}' = {json.dumps(body[key])} is not supported by verispec: {hint}.", key)
+            raise bad_request(f"'{key}' = {shown(body[key])} is not supported by verispec: {hint}.", key)
+
+
+def _check_bookkeeping(body: dict) -> None:
+    """OpenAI's `user` (a string) and `metadata` (up to 16 string keys of 64 characters, string values of 512):
+    unused by generation, but held to OpenAI's types and sizes so a request cannot park anything in them."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request(f"'user' must be a string (an id of your end user), got a JSON {_json_type(user)}.",
+                          "user")
+    meta = body.get("metadata")
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise bad_request(f"'metadata' must be an object of string keys and values, got a JSON {_json_type(meta)}.",
+                          "metadata")
+    if len(meta) > MAX_METADATA_KEYS:
+        raise bad_request(f"'metadata' holds {len(meta)} keys; send at most {MAX_METADATA_KEYS}.", "metadata")
+    for k, v in meta.items():
+        if len(k) > MAX_METADATA_KEY_CHARS:
+            raise bad_request(f"'metadata' key {_echo(k)!r} is longer than {MAX_METADATA_KEY_CHARS} characters.",
+                              "metadata")
+        if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(f"'metadata.{_echo(k)}' must be a string of at most {MAX_METADATA_VALUE_CHARS} "
+                              "characters.", f"metadata.{_echo(k)}")
+
+
+def _json_type(v: Any) -> str:
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+    return "null" if v is None else names.get(type(v), type(v).__name__)
 
 
 # ---- requests ------------------------------------------------------------------------------------------------
@@ -193,29 +257,35 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage", False)
 
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
-
-
 def _stop(body: dict) -> tuple[str, ...]:
-    """OpenAI's `stop`: null, a string or a list of up to 4 strings; "" and [] mean none."""
+    """OpenAI's `stop`: null, a string or a list of up to 4 strings (of MAX_STOP_CHARS each); "" and [] mean
+    none."""
     v = body.get("stop")
     if v is None or v == "":
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise bad_request(f"'stop' must be a non-empty string or a list of non-empty strings, got {json.dumps(v)}.",
+        raise bad_request(f"'stop' must be a non-empty string or a list of non-empty strings, got {shown(v)}.",
                           "stop")
     if len(items) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' holds {len(items)} strings; send at most {MAX_STOP_STRINGS}.", "stop")
+    longest = max(items, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise bad_request(f"'stop' holds a string of {len(longest)} characters; each may have at most "
+                          f"{MAX_STOP_CHARS}.", "stop")
     return tuple(items)
+
+
+def _too_long(prompt_len: int, max_model_len: int, key: str) -> APIError:
+    return bad_request(f"The prompt has {prompt_len} tokens, but this model's context holds {max_model_len} "
+                       f"(prompt + completion). Shorten the prompt to under {max_model_len} tokens.", key,
+                       "context_length_exceeded")
 
 
 def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key: str,
             default_max: int | None, prompt_key: str) -> SamplingParams:
     if prompt_len >= max_model_len:
-        raise bad_request(f"The prompt has {prompt_len} tokens, but this model's context holds {max_model_len} "
-                          f"(prompt + completion). Shorten the prompt to under {max_model_len} tokens.",
-                          prompt_key, "context_length_exceeded")
+        raise _too_long(prompt_len, max_model_len, prompt_key)
     room = max_model_len - prompt_len
     for other in {"max_tokens", "max_completion_tokens"} - {max_key}:  # the one not used must be valid too
         _int(body, other, None, lo=1, what=" >= 1")
@@ -236,7 +306,8 @@ def _params(body: dict, prompt_len: int, max_model_len: int, vocab: int, max_key
     top_k = _int(body, "top_k", 0, lo=-1, what=" >= 1, or 0 / -1 for no limit")
     seed = _int(body, "seed", None, lo=-(2**63), hi=2**64 - 1, what=" in [-2^63, 2^64)")
     stop_ids = body.get("stop_token_ids")
-    stop_ids = [] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", vocab)
+    stop_ids = [] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", vocab, MAX_STOP_TOKEN_IDS,
+                                                        " (the ids that end the output)")
     try:
         return SamplingParams(temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
                               top_k=top_k, max_tokens=max_tokens, seed=seed,
@@ -269,7 +340,9 @@ def _prompt_ids(prompt: Any, llm: LLM) -> list[int]:
         if llm.tokenizer is None:
             raise bad_request("This model has no tokenizer: send 'prompt' as a list of token ids.", "prompt")
         return list(llm.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and _is_int(prompt[0]):
+        if len(prompt) >= llm.max_model_len:  # refused before looking at each id
+            raise _too_long(len(prompt), llm.max_model_len, "prompt")
         return _token_ids(prompt, "prompt", llm.model.cfg.vocab_size)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request(f"Batched prompts ({len(prompt)}) are not supported: send one prompt per request.", "prompt")
@@ -290,7 +363,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
         raise bad_request(f"'{where}' must be an object like {{\"role\": \"user\", \"content\": \"Hi\"}}.", where)
     role, content = m.get("role"), m.get("content")
     if role not in CHAT_ROLES:
-        raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}.",
+        raise bad_request(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {shown(role)}.",
                           f"{where}.role")
     if content is None and role == "assistant":
         content = ""
@@ -316,6 +389,10 @@ def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
         raise bad_request("Missing required field 'messages' (a list of {\"role\", \"content\"} objects).", "messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
+    if len(msgs) >= llm.max_model_len:  # every message takes at least one token of the template
+        raise bad_request(f"'messages' holds {len(msgs)} messages, but this model's context holds "
+                          f"{llm.max_model_len} tokens and each message takes at least one.", "messages",
+                          "context_length_exceeded")
     messages = [_message(m, i) for i, m in enumerate(msgs)]
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     try:

@@ -162,6 +162,8 @@ class Request:
         if not self.prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         self.stats.prompt_tokens = len(self.prompt_ids)
+        # built once: `append` checks every generated token against it in O(1)
+        self.stop_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def all_ids(self) -> list[int]:
@@ -194,7 +196,7 @@ class Request:
         for t in tokens:
             kept.append(t)
             self.output_ids.append(t)
-            if not self.params.ignore_eos and (t in eos_ids or t in self.params.stop_token_ids):
+            if not self.params.ignore_eos and (t in eos_ids or t in self.stop_ids):
                 self.finish_reason = "stop"
                 break
             if len(self.output_ids) >= self.params.max_tokens:
