@@ -167,6 +167,16 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=None,
                        help="seconds running requests get to finish on SIGTERM / Ctrl-C before they end with an "
                             "error; new ones get 503 meanwhile (default: 30)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    serve.add_argument("--timeout-header", type=float, default=10.0,
+                       help="seconds a connection has to send a whole request line and headers; then 408 and "
+                            "closed (default: %(default)s)")
+    serve.add_argument("--timeout-body", type=float, default=30.0,
+                       help="seconds from the headers to the end of the body; then 408 (default: %(default)s)")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="connections held at once; more get 503 and are closed (default: the open-files limit, "
+                            "raised to its hard limit, less 10%% or 256)")
     serve.add_argument("--enable-dev-endpoints", action="store_true",
                        help="also serve POST /reset_prefix_cache (vLLM's VLLM_SERVER_DEV_MODE routes): benchmarks "
                             "that send the same prompts again empty the prefix cache between runs")
@@ -317,6 +327,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec import LLM
     from verispec.engine.background import BackgroundEngine
     from verispec.server.app import create_app, run_server
+    from verispec.server.connections import ConnectionLimits
+
+    connections = ConnectionLimits(args.timeout_header, args.timeout_body, args.timeout_keep_alive,
+                                   args.max_connections)  # checked before the model loads
 
     # by default the paged KV cache holds max-num-seqs full-length requests, at most 4 GiB (a 2048-token default
     # keeps 16 near 1.5 GB on CPU); --kv-cache-memory-bytes sizes it by memory (requests then share it, preempted
@@ -330,8 +344,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
                                 ("shutdown_timeout", args.shutdown_timeout)) if v is not None}
     app = create_app(llm, engine, model_name=args.served_model_name, api_key=api_key,
-                     dev_endpoints=args.enable_dev_endpoints, **limits)
-    run_server(app, args.host, args.port, log_level=args.log_level)
+                     dev_endpoints=args.enable_dev_endpoints, body_timeout=args.timeout_body, **limits)
+    run_server(app, args.host, args.port, log_level=args.log_level, connections=connections)
     return 0
 
 

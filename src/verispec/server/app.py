@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over a `BackgroundEngine`, and the uvicorn runner.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`, `n` choices and `logprobs`),
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /openapi.json, and with `dev_endpoints` POST
-/reset_prefix_cache. Errors are OpenAI-shaped; one
-request's failure never stops the server; a client that goes away aborts its request at once, freeing its batch
-slot and KV.
+GET /v1/models, GET /v1/models/{id}, GET and HEAD /health, GET /metrics, GET /openapi.json, and with
+`dev_endpoints` POST /reset_prefix_cache. Errors are OpenAI-shaped; one request's failure never stops the server; a
+client that goes away aborts its request at once, freeing its batch slot and KV. Connections are bounded in number
+and in the time they may take to send a request (server/connections.py); repeated log lines are rate-limited
+(server/logfilter.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from verispec.server import logfilter
+from verispec.server.connections import ConnectionLimits, raise_fd_limit, uvicorn_options
 from verispec.server.generation import Generation
 from verispec.server.lifecycle import AFTER_FAIL_S, DEFAULT_SHUTDOWN_TIMEOUT, Lifecycle
-from verispec.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from verispec.server.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from verispec.server.metrics import ServerMetrics
 from verispec.server.openapi import install_openapi
 from verispec.server.protocol import MAX_N, APIError, ServedModel, error_body, parse_chat, parse_completion
@@ -101,14 +104,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = None, api_key: str | None = None,
                manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, dev_endpoints: bool = False) -> FastAPI:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, dev_endpoints: bool = False,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The app over `engine`, a BackgroundEngine of `llm`'s engine (`BackgroundEngine(llm.engine,
     llm.check_prompt_ids)`); `llm` parses prompts and decodes tokens. `manage_engine` starts / shuts the engine down
-    with the app. Bodies over `max_request_bytes` get a 413; on shutdown (served by `make_server`) running requests
-    get `shutdown_timeout` seconds to finish (server/lifecycle.py). `dev_endpoints` adds POST /reset_prefix_cache
-    (vLLM's dev-mode route)."""
+    with the app. Bodies over `max_request_bytes` get a 413, bodies not arrived `body_timeout` seconds after their
+    headers a 408; on shutdown (served by `make_server`) running requests get `shutdown_timeout` seconds to finish
+    (server/lifecycle.py). `dev_endpoints` adds POST /reset_prefix_cache (vLLM's dev-mode route)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
     served = served_model(llm, model_name)
     lifecycle = Lifecycle(shutdown_timeout)
     metrics = ServerMetrics(engine.snapshot, {**llm.path_choice.as_dict(), "device": llm.device,
@@ -121,11 +127,11 @@ def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = N
                   openapi_url="/openapi.json")
     install_openapi(app, llm.max_model_len, llm.model.cfg.vocab_size, MAX_N)  # request / response schemas
     app.state.llm, app.state.engine, app.state.metrics, app.state.served = llm, engine, metrics, served
-    app.state.lifecycle = lifecycle
+    app.state.lifecycle, app.state.body_timeout = lifecycle, body_timeout
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     _install_error_handlers(app)
-    _install_routes(app, Generation(llm, engine, served, metrics, lifecycle, max_request_bytes))
+    _install_routes(app, Generation(llm, engine, served, metrics, lifecycle, max_request_bytes, body_timeout))
     if dev_endpoints:
         _install_dev_routes(app)
     return app
@@ -166,7 +172,7 @@ def _install_routes(app: FastAPI, generate: Generation) -> None:
         served.check(model_id)
         return served.card()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if lifecycle.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -221,9 +227,12 @@ class _Server(uvicorn.Server):
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-                on_ready: Callable[[str], None] | None = None, shutdown_timeout: float | None = None) -> uvicorn.Server:
+                on_ready: Callable[[str], None] | None = None, shutdown_timeout: float | None = None,
+                connections: ConnectionLimits | None = None) -> uvicorn.Server:
     """A uvicorn server for `app`; `.run()` serves until Ctrl-C / SIGTERM (or `.should_exit = True`), then shuts
-    down gracefully: running requests get `shutdown_timeout` seconds (default: create_app's) to finish."""
+    down gracefully: running requests get `shutdown_timeout` seconds (default: create_app's) to finish.
+    `connections` bounds the connections (default: ConnectionLimits(), its body timeout the app's); repeated log
+    lines are rate-limited from here on."""
     served: ServedModel = app.state.served
     if shutdown_timeout is not None:
         app.state.lifecycle.set_timeout(shutdown_timeout)
@@ -232,12 +241,19 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_
         print(f"verispec: serving {served.id} at {url}/v1 (OpenAI-compatible; also {url}/metrics, {url}/health)",
               flush=True)
 
+    if connections is None:
+        connections = ConnectionLimits(body_timeout=app.state.body_timeout)
     # the drain has already waited for the requests; this only bounds sending their last bytes
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=AFTER_FAIL_S)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=AFTER_FAIL_S,
+                            **uvicorn_options(connections))
+    logfilter.install()  # after uvicorn.Config has set up its loggers (their filters stay when that runs again)
     return _Server(config, on_ready or announce, app)
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-               shutdown_timeout: float | None = None) -> None:
-    """Serve `app` until interrupted; the engine shuts down with it."""
-    make_server(app, host, port, log_level=log_level, shutdown_timeout=shutdown_timeout).run()
+               shutdown_timeout: float | None = None, connections: ConnectionLimits | None = None) -> None:
+    """Serve `app` until interrupted, with the open-files limit raised to its hard limit first (room for
+    connections); the engine shuts down with it."""
+    raise_fd_limit()
+    make_server(app, host, port, log_level=log_level, shutdown_timeout=shutdown_timeout,
+                connections=connections).run()

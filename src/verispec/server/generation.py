@@ -20,7 +20,8 @@ from starlette.types import Receive, Scope, Send
 
 from verispec.server.fanout import choice_params, drain, interleave
 from verispec.server.lifecycle import Lifecycle
-from verispec.server.limits import check_json, check_prompt_bytes, prompt_byte_limit, read_body
+from verispec.server.limits import (DEFAULT_BODY_TIMEOUT, ClientGone, check_content_type, check_json,
+                                    check_prompt_bytes, check_prompt_tokens, prompt_byte_limit, read_body)
 from verispec.server.logprobs import LogprobsFormatter, token_text
 from verispec.server.metrics import RequestRecord, ServerMetrics
 from verispec.server.protocol import (SSE_DONE, APIError, IncrementalText, ParsedRequest, ResponseBuilder,
@@ -29,6 +30,7 @@ from verispec.server.protocol import (SSE_DONE, APIError, IncrementalText, Parse
 if TYPE_CHECKING:
     from verispec.api import LLM
     from verispec.engine.background import BackgroundEngine
+    from verispec.sampling import SamplingParams
 
 log = logging.getLogger("verispec.server")
 
@@ -121,17 +123,17 @@ class Generation:
     """POST /v1/completions and /v1/chat/completions over `engine`: `await gen(request, parse_completion)`."""
 
     def __init__(self, llm: LLM, engine: BackgroundEngine, served: ServedModel, metrics: ServerMetrics,
-                 lifecycle: Lifecycle, max_request_bytes: int) -> None:
+                 lifecycle: Lifecycle, max_request_bytes: int, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.llm, self.engine, self.served, self.metrics = llm, engine, served, metrics
-        self.lifecycle, self.max_request_bytes = lifecycle, max_request_bytes
+        self.lifecycle, self.max_request_bytes, self.body_timeout = lifecycle, max_request_bytes, body_timeout
         self.token_str = token_text(llm.tokenizer)
         self.prompt_bytes = prompt_byte_limit(llm)
 
-    def submit(self, req: ParsedRequest, index: int = 0) -> Any:
+    def submit(self, req: ParsedRequest, params: SamplingParams) -> Any:
         from verispec.engine.background import EngineOverloaded, RequestTooLong
 
         try:
-            return self.engine.submit(req.prompt_ids, choice_params(req.params, index))
+            return self.engine.submit(req.prompt_ids, params)
         except EngineOverloaded as e:
             retry = max(1, math.ceil(e.retry_after))
             raise APIError(503, f"The server is overloaded: {e}. Retry after {retry} s.", type="server_error",
@@ -141,23 +143,32 @@ class Generation:
         except ValueError as e:
             raise bad_request(str(e)) from None
 
-    def parse_request(self, raw: bytes, parse: Parse) -> ParsedRequest:
-        """JSON, shape checks and tokenising: on a worker thread, so a big prompt never stalls the event loop."""
+    def parse_request(self, raw: bytes, parse: Parse) -> tuple[ParsedRequest, list[SamplingParams]]:
+        """JSON, shape checks, tokenising and each choice's parameters: on a worker thread, so a big request never
+        stalls the event loop."""
         body = parse_json(raw)
         check_json(body)
         check_prompt_bytes(body, self.prompt_bytes)
-        return parse(body, self.llm, self.served)
+        check_prompt_tokens(body, self.llm)
+        req = parse(body, self.llm, self.served)
+        return req, [choice_params(req.params, i) for i in range(req.n)]
 
     async def __call__(self, request: Request, parse: Parse) -> Response:
         arrival = time.perf_counter()
         self.lifecycle.admit()
+        check_content_type(request)
         self.lifecycle.enter()
         streaming = False  # once handed over, the EventStream tells the lifecycle it ended
         try:
-            raw = await read_body(request, self.max_request_bytes)
-            req = await asyncio.to_thread(self.parse_request, raw, parse)
+            try:
+                raw = await read_body(request, self.max_request_bytes, self.body_timeout, self.lifecycle.stopping(),
+                                      self.lifecycle.refuse_unread)
+            except ClientGone:  # hung up while sending: nothing to answer, nothing went wrong
+                log.info("client went away while sending its request body")
+                return Response(status_code=400)
+            req, params = await asyncio.to_thread(self.parse_request, raw, parse)
             self.lifecycle.admit()
-            runs = self.start_runs(request, req, arrival)
+            runs = self.start_runs(request, req, params, arrival)
             builder = ResponseBuilder(req, self.served.id)
             if req.stream:
                 streaming = True
@@ -175,12 +186,14 @@ class Generation:
             if not streaming:
                 self.lifecycle.exit()
 
-    def start_runs(self, request: Request, req: ParsedRequest, arrival: float) -> list[Run]:
-        """One engine request per choice (`n`); if one cannot be submitted, those already are aborted."""
+    def start_runs(self, request: Request, req: ParsedRequest, params: list[SamplingParams],
+                   arrival: float) -> list[Run]:
+        """One engine request per choice (`n`, with `params[i]`); if one cannot be submitted, those already are
+        aborted."""
         runs: list[Run] = []
         try:
-            for i in range(req.n):
-                runs.append(Run(request, self.submit(req, i), self.metrics.track(arrival, len(req.prompt_ids))))
+            for p in params:
+                runs.append(Run(request, self.submit(req, p), self.metrics.track(arrival, len(req.prompt_ids))))
         except BaseException:
             close(runs)
             raise

@@ -37,6 +37,7 @@ class Lifecycle:
         self.set_timeout(shutdown_timeout)
         self.draining = False
         self.active = 0
+        self._stopping: asyncio.Future | None = None  # done once draining: ends the waits for request bodies
 
     def set_timeout(self, shutdown_timeout: float) -> None:
         if not shutdown_timeout >= 0:
@@ -49,6 +50,21 @@ class Lifecycle:
             raise APIError(503, "The server is shutting down and takes no new requests; retry in a moment (on "
                                 "another replica, or once it is back).", type="server_error",
                            code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def stopping(self) -> asyncio.Future:
+        """A future (of the running loop) that is done once shutdown has begun."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+            if self.draining:
+                self._stopping.set_result(None)
+        return self._stopping
+
+    def refuse_unread(self) -> APIError:
+        """The answer to a request whose body was still arriving when shutdown began: 503, and the connection
+        closes (a half-sent body would otherwise hold the exit until uvicorn cancels it with a plain-text 500)."""
+        return APIError(503, "The server is shutting down; this request's body had not arrived yet. Retry in a "
+                             "moment.", type="server_error", code="server_shutting_down",
+                        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
 
     def enter(self) -> None:
         self.active += 1
@@ -67,6 +83,8 @@ class Lifecycle:
     async def drain(self, engine: BackgroundEngine, force_exit: Callable[[], bool] = lambda: False) -> None:
         """Steps 1-3 above; returns early when `force_exit()` turns true (a second Ctrl-C)."""
         self.draining = True
+        if self._stopping is not None and not self._stopping.done():
+            self._stopping.set_result(None)
         if self.active:
             log.info("shutting down: waiting up to %g s for %d running request(s)", self.shutdown_timeout,
                      self.active)

@@ -1,11 +1,14 @@
-"""What one request may send, checked before anything expensive runs: the body's size (413, counted as it
-arrives), JSON nesting, lone UTF-16 surrogates (no tokenizer takes them) and a text prompt's UTF-8 bytes against
-what the context could ever hold (refused without tokenising it).
+"""What one request may send, checked before anything expensive runs: its content type (415), the body's size
+(413, counted as it arrives) and the time it takes to arrive (408), JSON nesting, lone UTF-16 surrogates (no
+tokenizer takes them), a text prompt's UTF-8 bytes against what the context could ever hold (refused without
+tokenising it) and, for long texts, its tokens counted piece by piece until they are known not to fit (refused
+without tokenising it whole).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+from typing import TYPE_CHECKING, Any, Iterator
 
 from verispec.server.protocol import APIError, bad_request
 
@@ -20,6 +23,29 @@ MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 levels (messages[i].content[j].text)
 # text can shrink before tokenising (NFKC / NFC normalisers, up to ~3x): a token covers at most this many times the
 # bytes of the longest vocabulary entry
 NORMALISER_SLACK = 4
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds from a request's headers to the end of its body (--timeout-body)
+# text longer than this many bytes per context token (ordinary text takes about 4) has its tokens counted in
+# pieces of COUNT_PIECE_CHARS characters, cut before a space, until the count shows it cannot fit
+COUNT_ABOVE_BYTES_PER_TOKEN = 8
+COUNT_PIECE_CHARS = 16384
+CUT_SLACK = 8  # tokens a cut between two pieces may add to their count (a merge split in two, a prefix marker)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request body had arrived: an ordinary end, not an error."""
+
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (`application/json`, any parameters, charset UTF-8 if named); a
+    request with no Content-Type is read as JSON, as OpenAI's and vLLM's servers do."""
+    value = request.headers.get("content-type")
+    if value is None:
+        return
+    kind, *params = (p.strip().lower() for p in value.split(";"))
+    charset = next((p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")), "utf-8")
+    if kind != "application/json" or charset not in ("utf-8", "utf8"):
+        raise APIError(415, f"Unsupported Content-Type {value[:64]!r}: send the body as JSON with 'Content-Type: "
+                            "application/json' (UTF-8).", param="content-type", code="unsupported_media_type")
 
 
 def request_too_large(limit: int) -> APIError:
@@ -27,14 +53,34 @@ def request_too_large(limit: int) -> APIError:
                          "(verispec serve --max-request-bytes). Send a shorter prompt.", code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes: from Content-Length
-    before reading anything, else while counting the chunks of a streamed (chunked) body."""
+def body_timed_out(timeout: float) -> APIError:
+    return APIError(408, f"The request body did not arrive within {timeout:g} s (verispec serve --timeout-body). "
+                         "Send the whole body at once.", code="request_timeout", headers={"Connection": "close"})
+
+
+async def read_body(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT,
+                    stop: asyncio.Future | None = None, stopped: Any = None) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes (from Content-Length
+    before reading anything, else while counting the chunks), with a 408 when it has not all arrived `timeout`
+    seconds after the headers, with `stopped()` (an APIError) once `stop` is done (the server shuts down), and
+    ClientGone when the client hangs up first."""
     declared = request.headers.get("content-length", "").strip()
     if declared.isdigit() and int(declared) > limit:
         raise request_too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    chunks, size, more = [], 0, True
+    while more:
+        get = asyncio.ensure_future(request.receive())
+        done, _ = await asyncio.wait([get] if stop is None else [get, stop], timeout=max(0.0, deadline - loop.time()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if get not in done:
+            get.cancel()
+            raise stopped() if stop is not None and stop in done else body_timed_out(timeout)
+        message = get.result()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise request_too_large(limit)
@@ -110,3 +156,56 @@ def check_prompt_bytes(body: dict[str, Any], limit: int | None) -> None:
         raise bad_request(f"'{key}' holds {size} bytes of text: more than this model's context could ever hold "
                           f"(at most {limit} bytes for its tokens). Shorten the prompt.", key,
                           "context_length_exceeded")
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of about COUNT_PIECE_CHARS characters, each cut before a space where there is one."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + COUNT_PIECE_CHARS)
+        if end < len(text):
+            space = text.rfind(" ", start + COUNT_PIECE_CHARS // 2, end)
+            end = space if space > start else end
+        yield text[start:end]
+        start = end
+
+
+def _texts(body: dict[str, Any]) -> tuple[str, list[str]]:
+    """The prompt text(s) of a body and the field they are in ("prompt" or "messages")."""
+    prompt, msgs = body.get("prompt"), body.get("messages")
+    if isinstance(prompt, str):
+        return "prompt", [prompt]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return "prompt", [prompt[0]]
+    if not isinstance(msgs, list):
+        return "prompt", []
+    out: list[str] = []
+    for m in msgs:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "messages", out
+
+
+def check_prompt_tokens(body: dict[str, Any], llm: LLM) -> None:
+    """400 (context_length_exceeded) for prompt text that holds at least max_model_len tokens, found by
+    tokenising it in pieces and stopping as soon as their count (less CUT_SLACK per cut) reaches the context: a
+    1.3 MB prompt for a 2,048-token context costs one piece's tokenising, not the whole text's. Only texts of more
+    than COUNT_ABOVE_BYTES_PER_TOKEN bytes per context token are counted (shorter ones are tokenised as usual)."""
+    if llm.tokenizer is None:
+        return
+    key, texts = _texts(body)
+    context = llm.max_model_len
+    if sum(len(t.encode("utf-8")) for t in texts) <= context * COUNT_ABOVE_BYTES_PER_TOKEN:
+        return
+    counted, cuts = 0, -1
+    for text in texts:
+        for piece in _pieces(text):
+            counted += len(llm.tokenizer(piece, add_special_tokens=False)["input_ids"])
+            cuts += 1
+            if counted - CUT_SLACK * max(cuts, 0) >= context:
+                raise bad_request(f"'{key}' holds more than {context - 1} tokens (counted on its first pieces of "
+                                  f"text), but this model's context holds {context} (prompt + completion). Shorten "
+                                  "the prompt.", key, "context_length_exceeded")
