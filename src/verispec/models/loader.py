@@ -26,6 +26,9 @@ from verispec.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
+# model_type -> the transformers class a converted directory names in config.json's "architectures"
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -54,6 +57,7 @@ def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
     """Dequantise a GGUF file once into an HF directory in the cache; later calls reuse it."""
     out = hub.cache_dir() / "converted" / f"{gguf_path.stem}-{_file_id(gguf_path)}"
     if (out / "complete").exists():
+        complete_hf_dir(out)  # a directory converted before it carried every file other tools read
         return out
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -61,20 +65,22 @@ def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
 
     meta = load_gguf_checkpoint(str(gguf_path))
     hf_cfg = AutoConfig.for_model(**meta["config"])
-    if hf_cfg.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+    if hf_cfg.model_type not in HF_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: GGUF architecture {hf_cfg.model_type!r} is not a Llama-family decoder")
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_cfg)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf_cfg.architectures = [HF_ARCHITECTURES[hf_cfg.model_type]]
     hf_cfg.save_pretrained(tmp)
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tok.save_pretrained(tmp)
     except Exception as e:  # a GGUF without tokenizer metadata still serves token-id prompts
         log.warning("no tokenizer could be read from %s: %s", gguf_path, e)
+    complete_hf_dir(tmp)
     (tmp / "complete").write_text(str(gguf_path))
     try:
         tmp.rename(out)
@@ -83,6 +89,42 @@ def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def complete_hf_dir(directory: Path) -> None:
+    """Make a converted directory one other tools take as a Hugging Face model: config.json names its class
+    ("architectures": llama.cpp's convert_hf_to_gguf.py routes on it, also as --target-model-dir of a draft),
+    generation_config.json holds its BOS / EOS / PAD ids, and the weights file says it is PyTorch's ("format":
+    "pt", which transformers' from_pretrained requires). Idempotent; rewrites only what is missing."""
+    from transformers import GenerationConfig
+
+    cfg_path = directory / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    if not raw.get("architectures") and raw.get("model_type") in HF_ARCHITECTURES:
+        raw["architectures"] = [HF_ARCHITECTURES[raw["model_type"]]]
+        _replace_text(cfg_path, json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    if not (directory / "generation_config.json").is_file():
+        ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+        _replace_text(directory / "generation_config.json", GenerationConfig(**ids).to_json_string(use_diff=True))
+    weights = directory / "model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:
+            tagged = (f.metadata() or {}).get("format") == "pt"
+        if not tagged:
+            from safetensors.torch import load_file, save_file
+
+            tmp = weights.with_name(weights.name + f".tmp{os.getpid()}")
+            save_file(load_file(str(weights)), str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, weights)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (another process may be reading the cached directory)."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def resolve(model: str | os.PathLike, progress: bool = True) -> ResolvedModel:
