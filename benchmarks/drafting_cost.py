@@ -29,7 +29,7 @@ from verispec.bench.load import MachineLoad
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters import shipped
 from verispec.drafters.dflash import DFlashDrafter, load
-from verispec.drafters.features import take
+from verispec.execution.features import take
 
 GREEDY = SamplingParams(temperature=0)
 ARMS = ("torch", "kernel", "kernel + vocab")

@@ -42,10 +42,10 @@ from pathlib import Path
 
 import torch
 
-from verispec.execution.cpu import cpu_info
-from verispec.execution.cpu_build import build_flags, compiler
-from verispec.execution.cpu_kernels import load
-from verispec.execution.kernel_choice import forward_weights
+from verispec.kernels.cpu import cpu_info
+from verispec.kernels.cpu_build import build_flags, compiler
+from verispec.kernels.cpu_kernels import load
+from verispec.kernels.kernel_choice import forward_weights
 
 BLOCK = "Q4_1 block arithmetic"  # not an instruction's peak: what the format's own per-block work allows
 

@@ -4,9 +4,9 @@ Shapes: per layer qkv 576 -> 960 (q, k, v fused), o 576 -> 576, gate_up 576 -> 3
 times 30 layers, with the real weights of the default GGUF (Q4_1 blocks). Paths:
   dense fp32     F.linear on gguf's fp32 dequantisation (the engine's default)
   dense bf16     F.linear on the same weights rounded to bf16
-  int4 bf16      execution/int4.py's Int4Weight from the GGUF's own Q4_1 blocks (no requantisation)
+  int4 bf16      kernels/int4.py's Int4Weight from the GGUF's own Q4_1 blocks (no requantisation)
   int8 bf16      aten._weight_int8pack_mm, weights requantised per output channel (lossy; a timing reference)
-  q8act fp32     execution/q8act.py's Q8ActWeight: the GGUF's own blocks on verispec's CPU kernel, activations rounded
+  q8act fp32     kernels/q8act.py's Q8ActWeight: the GGUF's own blocks on verispec's CPU kernel, activations rounded
                  to int8 per 32 values (the gguf-q8act path; skipped where the kernel cannot be built)
 Per M, the paths run interleaved (order rotated every repeat); the table gives the median ms of one pass over all
 120 linears, cost(M)/cost(1) and the ratio to dense fp32 at the same M. The batch-invariance table gives, per path,
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from verispec.execution.int4 import Int4Weight
-from verispec.execution.cpu import cpu_info
+from verispec.kernels.int4 import Int4Weight
+from verispec.kernels.cpu import cpu_info
 from verispec.models.gguf_blocks import Blocks, read_blocks
 
 MS = (1, 2, 4, 8, 16, 32)
@@ -64,7 +64,7 @@ def layer_paths(reader: GGUFReader, layer: int) -> dict[str, list[tuple[int, Lin
         out["int4 bf16"].append((k, i4.matmul))
         out["int8 bf16"].append((k, lambda x, q=q8, s=s8: torch.ops.aten._weight_int8pack_mm(x, q, s)))
         if q8act:
-            from verispec.execution.q8act import Q8ActWeight
+            from verispec.kernels.q8act import Q8ActWeight
             from verispec.models.gguf_blocks import raw_rows
 
             rows = [raw_rows(reader, f"blk.{layer}.{p}.weight")[:2] for p in parts]
@@ -73,7 +73,7 @@ def layer_paths(reader: GGUFReader, layer: int) -> dict[str, list[tuple[int, Lin
 
 
 def _q8act_available() -> bool:
-    from verispec.execution.cpu_kernels import fast_kernel_available
+    from verispec.kernels.cpu_kernels import fast_kernel_available
 
     return fast_kernel_available()[0]
 

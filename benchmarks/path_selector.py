@@ -29,7 +29,7 @@ from verispec.bench.workloads import WORKLOADS, load_workload  # noqa: E402
 from verispec.drafters import path_selector  # noqa: E402
 from verispec.drafters.dflash import DFlashDrafter  # noqa: E402
 from verispec.drafters.dflash import load as load_block  # noqa: E402
-from verispec.drafters.features import capture_forward, select  # noqa: E402
+from verispec.execution.features import capture_forward, select  # noqa: E402
 from verispec.drafters.shipped import resolve  # noqa: E402
 
 

@@ -6,7 +6,7 @@ software prefetch: into L1 (the build's first choice, measured on an Ice Lake CP
 Zen 4 CPU: two streams 64 tiles ahead overflow its 32 KB L1) or non-temporally. Fewer rows (every row count on the
 AVX2 body) read one stream: into L1 or non-temporally (a CPU may then keep the forward's ~100 MB from evicting the
 KV cache and the Python and torch state the step runs after it). The loader times the levels at start and keeps
-the fastest (`execution/kernel_choice.py` `choose_prefetch`, `choose_row_prefetch`); this benchmark shows what the
+the fastest (`kernels/kernel_choice.py` `choose_prefetch`, `choose_row_prefetch`); this benchmark shows what the
 choices are worth to whole requests. No level changes a bit: every arm's output is compared with plain decoding's.
 
 The arms: plain (the loader's levels), plain at each other pair of `--levels` (pair streams; default all three)
@@ -31,8 +31,8 @@ import sys
 from verispec import LLM
 from verispec.bench.interleave import compare_arms
 from verispec.bench.single import method_spec
-from verispec.execution.cpu_kernels import load
-from verispec.execution.kernel_choice import PREFETCH_LEVELS, ROW_PREFETCH_LEVELS
+from verispec.kernels.cpu_kernels import load
+from verispec.kernels.kernel_choice import PREFETCH_LEVELS, ROW_PREFETCH_LEVELS
 
 LEARNED_K = 4  # most draft tokens per step for the learned drafters (their speed's best in earlier runs)
 

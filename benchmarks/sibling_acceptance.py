@@ -30,9 +30,9 @@ import torch
 from verispec import SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.eagle3 import Eagle3Drafter
-from verispec.drafters.features import select
+from verispec.execution.features import select
 from verispec.drafters.tree_growth import TREE_TOPK, draw_distinct
-from verispec.execution.sampling import target_probs
+from verispec.sampling import target_probs
 from verispec.execution.verify import residual
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -43,8 +43,8 @@ from verispec.bench.load import MachineLoad
 from verispec.bench.single import method_spec
 from verispec.bench.workloads import load_workload
 from verispec.drafters import shipped
-from verispec.execution.cpu import cpu_info
-from verispec.execution.profile import profile_costs
+from verispec.kernels.cpu import cpu_info
+from verispec.engine.profile import profile_costs
 from verispec.train.card import SPEED_HEADING, put_section
 from verispec.train.curve import curve_points, extrapolate
 from verispec.train.shards import read_meta

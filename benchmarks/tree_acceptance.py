@@ -36,7 +36,7 @@ from verispec.drafters.dflash import DFlashDrafter
 from verispec.drafters.dflash import load as load_block
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.eagle3 import load as load_head
-from verispec.drafters.features import capture_forward, select
+from verispec.execution.features import capture_forward, select
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.shipped import resolve
 from verispec.drafters.suffix import SuffixCache, SuffixDrafter

@@ -37,7 +37,7 @@ from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.eagle3 import load as load_head
-from verispec.drafters.features import capture_forward, select
+from verispec.execution.features import capture_forward, select
 from verispec.drafters.shipped import resolve
 
 BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)

@@ -36,7 +36,7 @@ from verispec.bench.load import MachineLoad
 from verispec.config import ModelConfig
 from verispec.execution.autotune import resolve_path
 from verispec.execution.invariance import linears_row_invariant
-from verispec.execution.cpu import cpu_info
+from verispec.kernels.cpu import cpu_info
 from verispec.execution.paths import candidates
 from verispec.models import hub
 from verispec.models.llama import LlamaModel, Segment
@@ -94,8 +94,8 @@ def main() -> None:
     ids = torch.arange(args.context + max(ms_list)) * 7 % cfg.vocab_size  # [context + max M]
     bodies = {}  # row name -> (model name, the kernel setting it runs inside)
     if (args.bodies or args.prefetch or args.attention_rows) and "gguf-q8act" in models:
-        from verispec.execution.cpu_kernels import load
-        from verispec.execution.kernel_choice import PREFETCH_LEVELS
+        from verispec.kernels.cpu_kernels import load
+        from verispec.kernels.kernel_choice import PREFETCH_LEVELS
 
         lib = load()
         print(f"verispec's kernel: {lib.describe()}")

@@ -23,7 +23,7 @@ import torch
 
 from verispec import LLM
 from verispec.bench.load import MachineLoad
-from verispec.execution.decoder_kernel import DecoderKernel
+from verispec.models.decoder_kernel import DecoderKernel
 from verispec.models.llama import LlamaModel, Segment
 
 

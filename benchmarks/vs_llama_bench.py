@@ -26,7 +26,7 @@ import subprocess
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.execution.cpu import cpu_info
+from verispec.kernels.cpu import cpu_info
 from verispec.models import hub
 from verispec.models.loader import resolve
 

@@ -24,7 +24,7 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.bench.workloads import WORKLOADS, load_workload
-from verispec.execution.cpu import cpu_info
+from verispec.kernels.cpu import cpu_info
 
 PATHS = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
          "gguf-int4": dict(dtype="bfloat16", quantization="gguf"),

@@ -3,7 +3,7 @@
 The server builds the LLM on its main thread (the path choice and step-cost profiles run kernels there) and steps
 it on a `BackgroundEngine` worker. OpenMP keeps a thread pool per thread that ran a parallel region, so the main
 thread's pool outlives the hand-over; with more OpenMP threads than CPUs libgomp stops spinning at barriers
-(execution/threads.py). `BackgroundEngine.start()` now releases the starting thread's pool first.
+(kernels/threads.py). `BackgroundEngine.start()` now releases the starting thread's pool first.
 
 Arms, one process, one LLM (the default model, `dtype="auto"`, one sequence at a time), run interleaved with the
 order rotated per repeat:
@@ -31,7 +31,7 @@ from verispec import LLM, SamplingParams
 from verispec.bench.load import MachineLoad
 from verispec.bench.workloads import load_workload
 from verispec.engine import background
-from verispec.execution.cpu import cpu_info
+from verispec.kernels.cpu import cpu_info
 from verispec.models.hub import DEFAULT_MODEL
 
 ARMS = ("main", "worker", "worker-no-release")

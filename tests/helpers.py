@@ -45,7 +45,7 @@ def self_distilled_data(hf, model, target_dir, path: Path, n: int, shard_size: i
                         response: int = 28) -> Path:
     """`n` training sequences (a random prompt of 3-6 tokens + HF's greedy response) with every layer's hidden
     states, written as `verispec train data` shards of `shard_size` sequences of the target at `target_dir`."""
-    from verispec.drafters.features import target_features
+    from verispec.execution.features import target_features
     from verispec.train.shards import shard_name, write_meta, write_shard
 
     L, V = model.cfg.num_layers, model.cfg.vocab_size

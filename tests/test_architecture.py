@@ -1,7 +1,7 @@
 """The package's layering, checked from its source text (ast) and, for the scheduling layer, by importing it.
 
 a. the import graph of `verispec` (every import of a verispec module: module level, inside functions, under
-   `if TYPE_CHECKING:`) has no cycle;
+   `if TYPE_CHECKING:`) has no cycle, and every import points down LAYERS (or within one layer);
 b. scheduling (`verispec.engine.scheduler`, `verispec.engine.costs`) pulls in no torch, model, execution or
    drafter code, neither when imported in a fresh interpreter nor through its static imports;
 c. no function in the engine and state layers is longer than MAX_FUNCTION_LINES lines;
@@ -29,6 +29,23 @@ SCHEDULING = ("verispec.engine.scheduler", "verispec.engine.costs")
 NOT_IN_SCHEDULING = ("torch*", "verispec.models*", "verispec.execution*", "verispec.drafters*")
 SHORT_FUNCTION_DIRS = ("engine", "state")
 MAX_FUNCTION_LINES = 45
+
+# The layers, bottom first; a module may import its own layer's modules and those of the layers below it. A name is a
+# top-level module or package of verispec ("verispec" is the package's own __init__, the public facade).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("config",),
+    ("sampling", "kernels"),  # sampling arithmetic and parameters; the C kernel: build, choice by measurement, formats
+    ("state",),  # KV caches, block pool, the request's state
+    ("models",),  # checkpoints and the one decoder implementation
+    ("check",),  # the state oracle and the identity check the layers above assert with
+    ("execution",),  # the batched forward, verification arithmetic, hidden-state recording, weight paths
+    ("drafters",),
+    ("engine",),  # scheduling (costs, scheduler: no tensors), the step loop, profiling the step costs
+    ("api", "verispec"),
+    ("server", "bench", "train", "doctor"),
+    ("audit", "demo"),
+    ("cli", "__main__"),
+)
 
 Graph = dict[str, dict[str, int]]  # module -> {imported module: line of the first such import}
 
@@ -230,6 +247,37 @@ def test_import_graph_has_no_cycle() -> None:
         "\n".join(f"{c}\n    {describe(c, graph)}" for c in found)
 
 
+def layer_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> int:
+    """The index in `layers` of the layer `module` (a dotted verispec name) belongs to."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else parts[0]
+    for i, names in enumerate(layers):
+        if top in names:
+            return i
+    raise AssertionError(f"{module}: its package {top!r} is in no layer: add it to LAYERS")
+
+
+def upward_imports(graph: Graph, layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Every import in `graph` from a lower layer to a higher one, as 'a (layer) imports b (layer) at line n'."""
+    return [f"{a} ({layers[layer_of(a, layers)][0]}) imports {b} ({layers[layer_of(b, layers)][0]}) at line {line}"
+            for a, targets in sorted(graph.items()) for b, line in targets.items()
+            if layer_of(b, layers) > layer_of(a, layers)]
+
+
+def test_layer_checker_on_planted_graph() -> None:
+    layers = (("low",), ("mid", "side"), ("high",))
+    g = {"verispec.low.a": {}, "verispec.mid.b": {"verispec.low.a": 3, "verispec.side": 4},
+         "verispec.side": {"verispec.high.c": 7}, "verispec.high.c": {"verispec.mid.b": 1}}
+    assert upward_imports(g, layers) == ["verispec.side (mid) imports verispec.high.c (high) at line 7"]
+
+
+def test_imports_only_point_down_the_layers() -> None:
+    graph = import_graph()
+    assert {layer_of(m) for m in graph}, "no module placed"
+    bad = upward_imports(graph)
+    assert not bad, "imports that run up a layer (LAYERS, bottom first, is in this file):\n" + "\n".join(bad)
+
+
 # ---- b. scheduling imports no model code --------------------------------------------------------------------------
 
 
@@ -297,3 +345,34 @@ def test_structure_doc_lists_exactly_the_modules() -> None:
     missing, stale = sorted(actual - listed), sorted(listed - actual)
     assert not missing and not stale, (f"{STRUCTURE_DOC.relative_to(ROOT)}: modules not listed: {missing}; "
                                        f"listed modules that do not exist: {stale}")
+
+
+# ---- e. the source carries no dated measurements and points nowhere outside the repository ---------------------
+
+DATE = re.compile(r"\b20\d{2}-[01]\d-[0-3]\d\b")
+OUTSIDE = re.compile(r"METHODS\.md|MEASURE\.md|STYLE\.md|\.\./shared")
+
+
+def source_files() -> list[Path]:
+    """The package's Python and C sources (not build metadata such as an editable install's egg-info)."""
+    return sorted(p for p in (SRC / PACKAGE).rglob("*") if p.suffix in (".py", ".c") and "__pycache__" not in p.parts)
+
+
+def offending_lines(pattern: re.Pattern[str], paths: list[Path], root: Path = ROOT) -> list[str]:
+    return [f"{p.relative_to(root).as_posix()}:{i}: {line.strip()[:100]}" for p in paths
+            for i, line in enumerate(p.read_text().splitlines(), start=1) if pattern.search(line)]
+
+
+def test_line_finders_on_planted_source(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text('"""measured 2026-12-03 on one machine"""\nx = 1  # see METHODS.md section 5\n'
+                                   'y = 2  # version 2026.12, not a date\n')
+    assert [s.split(":")[1] for s in offending_lines(DATE, [tmp_path / "a.py"], tmp_path)] == ["1"]
+    assert [s.split(":")[1] for s in offending_lines(OUTSIDE, [tmp_path / "a.py"], tmp_path)] == ["2"]
+
+
+def test_source_has_no_dates_and_no_references_outside_the_repository() -> None:
+    files = source_files()
+    assert any(p.suffix == ".c" for p in files) and len(files) > 100, "the source finder is broken"
+    dated, outside = offending_lines(DATE, files), offending_lines(OUTSIDE, files)
+    assert not dated, "dated lines in src/ (measurements belong in docs/results/):\n" + "\n".join(dated)
+    assert not outside, "src/ cites files outside the repository (cite docs/ instead):\n" + "\n".join(outside)

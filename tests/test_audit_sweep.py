@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import PROMPT, chi2_pvalue, tiny_vocab_model
 from verispec.execution.drift import acceptance_probs, applied_distribution, position_tv
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 from verispec.execution.verify import EXACT, AcceptanceConfig, verify, verify_sampled
 
 THRESH = AcceptanceConfig("threshold", threshold_single=1.0, threshold_acc=0.5)

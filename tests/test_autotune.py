@@ -13,7 +13,7 @@ import torch
 from verispec.config import ModelConfig
 from verispec.execution import autotune
 from verispec.execution.autotune import choose, expected_cost, profile_paths, resolve_path, typical_blocks
-from verispec.execution.cpu import KERNEL_FLAGS, cpu_info
+from verispec.kernels.cpu import KERNEL_FLAGS, cpu_info
 from verispec.execution.paths import PATHS, candidates, path_for
 
 CPU = cpu_info()
@@ -50,9 +50,9 @@ def test_the_cheapest_path_wins_and_near_ties_go_to_the_more_exact_path():
 def test_candidates_depend_on_device_and_checkpoint():
     assert [p.name for p in candidates("cuda", True)] == ["bf16"]
     assert [p.name for p in candidates("cpu", False)] == ["fp32", "bf16"]
-    from verispec.execution.int4 import int4_kernel_available
+    from verispec.kernels.int4 import int4_kernel_available
 
-    from verispec.execution.cpu_kernels import fast_kernel_available
+    from verispec.kernels.cpu_kernels import fast_kernel_available
 
     expected = ["fp32", "bf16"] + (["gguf-int4"] if int4_kernel_available() else []) + (
         ["gguf-q8act"] if fast_kernel_available()[0] else [])

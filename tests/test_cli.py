@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec.config import CACHE_ENV
 from verispec import cli
 from verispec.models import hub
 
@@ -157,7 +158,7 @@ def test_models_pull_prints_path(monkeypatch: pytest.MonkeyPatch, capsys: pytest
 
 
 def test_models_list(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    monkeypatch.setenv(hub.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     assert cli.main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert hub.DEFAULT_MODEL in out and "not cached" in out

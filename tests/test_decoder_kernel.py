@@ -1,4 +1,4 @@
-"""All decoder layers in one kernel call (execution/decoder_kernel.py, csrc/cpu.c's `vs_decoder`) against the
+"""All decoder layers in one kernel call (models/decoder_kernel.py, csrc/cpu.c's `vs_decoder`) against the
 layer-by-layer forward of the same model (models/llama.py's `Layer.forward` with the q8act linears, attention and
 RoPE kernels, each tested against independent references in tests/test_q8act.py): bitwise equal logits, captured
 hidden states and cache contents, on a tiny random model with GGUF blocks of every format, sliding-window and full
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from verispec.execution.cpu_kernels import KernelUnavailable, load
+from verispec.kernels.cpu_kernels import KernelUnavailable, load
 
 try:
     LIB = load()
@@ -23,9 +23,9 @@ except KernelUnavailable as e:
     pytest.skip(f"verispec's CPU kernel cannot be built here: {e}", allow_module_level=True)
 
 from verispec.config import ModelConfig  # noqa: E402
-from verispec.drafters.features import take  # noqa: E402
-from verispec.execution.decoder_kernel import DecoderKernel  # noqa: E402
-from verispec.execution.q8act import Q8ActWeight  # noqa: E402
+from verispec.execution.features import take  # noqa: E402
+from verispec.models.decoder_kernel import DecoderKernel  # noqa: E402
+from verispec.kernels.q8act import Q8ActWeight  # noqa: E402
 from verispec.models.llama import LlamaModel, Segment  # noqa: E402
 from tests.test_q8act import dense, quantised, random_raw  # noqa: E402
 
@@ -288,7 +288,7 @@ def test_the_kernel_rounds_to_float16_as_torch_does(portable: bool) -> None:
 def test_how_many_rows_share_a_key_read_changes_no_bit(model: LlamaModel) -> None:
     """Rows one at a time, in pairs, in fives, or as many as a task holds (the default): the same bits, in every
     row of the long steps, paged."""
-    from verispec.execution.cpu_kernels import load
+    from verispec.kernels.cpu_kernels import load
 
     default = long_steps(model, True, True)
     for rows in (1, 2, 5):

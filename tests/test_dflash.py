@@ -12,10 +12,10 @@ import torch
 from tests.helpers import (assert_drawn_without_replacement, best_paths, eagle2_scores, hf_greedy, self_distilled_data,
                            sharp_llama)
 from verispec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, TargetParts, load
-from verispec.drafters.features import select, target_features
+from verispec.execution.features import select, target_features
 from verispec.models.llama import Segment
 from verispec.models.loader import load_model
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 from verispec.train import dflash as tr
 from verispec.train.calibrate import ece, fit_position_temperatures, per_position_ece
 from verispec.train.shards import load_all
@@ -89,7 +89,7 @@ def test_bf16_autocast_trains_like_float32_and_is_really_on(tiny, data_dir):
 def test_amp_auto_is_bf16_where_the_cpu_computes_bf16(monkeypatch):
     """`--amp auto` (the CLI default): bf16 autocast on a CPU with AVX-512 BF16 or AMX-BF16, float32 on one
     without (AVX2 has no bf16 arithmetic); "bf16" and "off" as given; a bad name is refused."""
-    from verispec.execution import cpu
+    from verispec.kernels import cpu
     from verispec.train.loop import LoopConfig, amp_choice
 
     def with_flags(*flags):
@@ -313,7 +313,7 @@ def test_markov_greedy_is_the_sequential_argmax_on_either_weight(tiny):
     tokens `decode` picks with argmax for a W2 rounded to Q8_0 blocks; its confidences are conf_logits' at the
     tokens chosen."""
     from verispec.drafters.dspark_head import MarkovHead
-    from verispec.execution.q8act import Q8ActWeight
+    from verispec.kernels.q8act import Q8ActWeight
 
     _, _, target = tiny
     head = new_model(target, dspark=True, seed=8).markov
@@ -723,7 +723,7 @@ def test_a_q8_0_drafter_drafts_like_the_float_one_and_stays_lossless(trained, ti
     from verispec import LLM, SamplingParams
     from verispec.drafters.dflash_model import LAYER_LINEARS
     from verispec.drafters.dspark_head import MarkovHead
-    from verispec.execution.q8act import Q8ActWeight
+    from verispec.kernels.q8act import Q8ActWeight
 
     path, hf, target = tiny
     dense = trained[method][0]
@@ -776,7 +776,7 @@ def test_the_kernel_block_computes_the_drafters_layers(trained, tiny, method, ki
     in two chunks, K/V buffers grown on the way) equals the torch block of the same rounded drafter."""
     import copy
 
-    from verispec.execution.q8act import Q8ActWeight
+    from verispec.kernels.q8act import Q8ActWeight
 
     _, _, target = tiny
     m = copy.deepcopy(trained[method][0])

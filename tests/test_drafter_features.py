@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.features import own, take
+from verispec.execution.features import own, take
 from verispec.models.llama import ForwardOutput
 
 D = 4

@@ -278,7 +278,7 @@ def test_request_trie_token_by_token_counts_every_substring_and_knows_the_most_f
 def test_factory_builds_model_free_drafters():
     from verispec.config import SpeculativeConfig
     from verispec.drafters import DrafterFactory
-    from verispec.execution.sampling import SamplingParams
+    from verispec.sampling import SamplingParams
 
     ng = DrafterFactory(SpeculativeConfig(method="ngram", prompt_lookup_max=3, prompt_lookup_min=2))
     d = ng.new(SamplingParams(), prompt_len=4)

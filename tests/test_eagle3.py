@@ -181,7 +181,7 @@ def test_hybrid_drafting_equals_hf_with_state_oracle_and_both_sides_draft(setup)
 
 def test_state_oracle_catches_a_stale_drafter_position(setup):
     """Negative control: corrupt one committed K/V row of the head; the oracle must name it."""
-    from verispec.drafters.features import target_features
+    from verispec.execution.features import target_features
 
     llm = setup["llm"]
     head = load(setup["root"] / "head", llm.model)
@@ -442,7 +442,7 @@ def test_the_drafters_block_format_is_the_users_choice_and_refused_where_it_cann
     from verispec.config import DEFAULT_DRAFT_QUANTIZATION, SpeculativeConfig
     from verispec.drafters import load_learned
     from verispec.drafters.eagle3 import LINEARS
-    from verispec.execution.q8act import Q8ActWeight
+    from verispec.kernels.q8act import Q8ActWeight
 
     llm, head_dir = setup["llm"], str(setup["root"] / "head")
     target = llm.model

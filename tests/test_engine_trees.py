@@ -173,7 +173,7 @@ def test_auto_prices_a_chain_at_its_measured_proposal_length():
     pricing it at k rows would have sent the request to trees."""
     from verispec.engine.costs import AcceptanceEstimator
     from verispec.engine.plan import LiveRequest
-    from verispec.execution.sampling import SamplingParams
+    from verispec.sampling import SamplingParams
     from verispec.state.request import Request
 
     rows = lambda n: 0.004 + 0.0012 * n  # noqa: E731

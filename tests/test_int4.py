@@ -1,4 +1,4 @@
-"""execution/int4.py: the CPU int4 kernel path, against gguf's own dequantisation and float64 matmuls.
+"""kernels/int4.py: the CPU int4 kernel path, against gguf's own dequantisation and float64 matmuls.
 
 (a) fp32 activations times the identity are gguf's dequantised weights bit for bit (Q4_0, Q4_1, fused parts);
 (b) bf16 activations are within a stated tolerance of a float64 matmul with gguf's weights;
@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from verispec.execution.int4 import Int4Weight, int4_kernel_available
+from verispec.kernels.int4 import Int4Weight, int4_kernel_available
 from verispec.models.gguf_blocks import Blocks, read_blocks, unpack
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(),

@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from verispec.execution.cpu_kernels import KernelUnavailable, load
+from verispec.kernels.cpu_kernels import KernelUnavailable, load
 
 try:
     LIB = load()
@@ -25,8 +25,8 @@ except KernelUnavailable as e:
 from tests.helpers import LENGTH, N, PROMPT, V, batched_counts, chi2_pvalue  # noqa: E402
 from tests.test_q8act import random_raw  # noqa: E402
 from verispec import LLM  # noqa: E402
-from verispec.execution.decoder_kernel import DecoderKernel  # noqa: E402
-from verispec.execution.q8act import Q8ActWeight  # noqa: E402
+from verispec.models.decoder_kernel import DecoderKernel  # noqa: E402
+from verispec.kernels.q8act import Q8ActWeight  # noqa: E402
 from verispec.models.llama import LlamaModel  # noqa: E402
 
 pytestmark = pytest.mark.slow

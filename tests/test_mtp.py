@@ -174,7 +174,7 @@ def _drafter(t, params: SamplingParams) -> MTPDrafter:
 
 def _feed(d: MTPDrafter, model, tokens: list[int], start: int) -> None:
     """Hand the drafter the target's last-layer outputs of tokens[start:-1] (the committed positions it lacks)."""
-    from verispec.drafters.features import target_features
+    from verispec.execution.features import target_features
 
     feats, _ = target_features(model, tokens[:-1], d.feature_layers)
     d.add_features(feats[start:])
@@ -220,7 +220,7 @@ def test_confidences_are_the_reference_probabilities_and_min_survival_cuts_the_c
     """Greedy: each position's confidence is the reference's softmax top-1 (teacher-forced on the drafts); with
     min_survival s the chain stops after the first token whose running product falls below s (same tokens), and
     the MTP cache is back at the committed rows (the state oracle, after one draft accepted)."""
-    from verispec.drafters.features import target_features
+    from verispec.execution.features import target_features
 
     tokens = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(5)).tolist()
     d = _drafter(target, SamplingParams(temperature=0))
@@ -264,7 +264,7 @@ def test_engine_output_equals_hf_with_state_oracle(target, temperature):
 def test_state_oracle_catches_a_corrupted_mtp_row(target):
     """As in the engine: propose, no draft accepted, the pending token committed with its target state; the oracle
     passes, then fails naming a corrupted committed K row."""
-    from verispec.drafters.features import target_features
+    from verispec.execution.features import target_features
 
     tokens = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(9)).tolist()
     d = _drafter(target, SamplingParams(temperature=0))

@@ -1,4 +1,4 @@
-"""verispec's own CPU kernels (csrc/cpu.c via execution/cpu_kernels.py) and the gguf-q8act path, against references
+"""verispec's own CPU kernels (csrc/cpu.c via kernels/cpu_kernels.py) and the gguf-q8act path, against references
 written here independently of the C source:
 
 - the matmul: gguf's own dequantisation (`gguf.quants.dequantize`) of random Q4_0 / Q4_1 / Q8_0 blocks, times the
@@ -22,16 +22,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from verispec.execution.cpu_build import BODIES, KernelUnavailable
-from verispec.execution.cpu_kernels import BODY_NAMES, load
-from verispec.execution.kernel_choice import PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS
+from verispec.kernels.cpu_build import BODIES, KernelUnavailable
+from verispec.kernels.cpu_kernels import BODY_NAMES, load
+from verispec.kernels.kernel_choice import PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS
 
 try:
     LIB = load()
 except KernelUnavailable as e:  # no C compiler here: the path is not offered, nothing to test
     pytest.skip(f"verispec's CPU kernel cannot be built here: {e}", allow_module_level=True)
 
-from verispec.execution.q8act import BLOCK, BLOCK_BYTES, Q8ActWeight  # noqa: E402
+from verispec.kernels.q8act import BLOCK, BLOCK_BYTES, Q8ActWeight  # noqa: E402
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 needs_avx2 = pytest.mark.skipif(not LIB.avx2, reason="this CPU has no AVX2 + FMA + F16C body to compare")
@@ -120,7 +120,7 @@ def test_each_vector_body_equals_the_portable_body_bitwise(body: str, kind: str,
 
 
 def test_the_body_can_be_named_by_the_environment_and_an_unbuilt_one_is_refused(monkeypatch) -> None:
-    from verispec.execution.kernel_choice import BODY_ENV, choose_body
+    from verispec.kernels.kernel_choice import BODY_ENV, choose_body
 
     for b in LIB.bodies:
         monkeypatch.setenv(BODY_ENV, b)
@@ -194,7 +194,7 @@ def test_the_single_tile_streams_prefetch_level_changes_no_bit(kind: str) -> Non
 def test_the_prefetch_level_is_timed_only_for_the_avx512_body_and_can_be_named(monkeypatch) -> None:
     import dataclasses
 
-    from verispec.execution.kernel_choice import PREFETCH_ENV, choose_prefetch
+    from verispec.kernels.kernel_choice import PREFETCH_ENV, choose_prefetch
 
     for body in LIB.bodies:  # the other bodies have no pair streams: nothing is timed or said
         if body != "avx512-vnni":
@@ -217,8 +217,8 @@ def test_the_row_prefetch_level_is_timed_for_the_vector_bodies_kept_and_can_be_n
     import dataclasses
     import json
 
-    import verispec.execution.kernel_choice as kernels
-    from verispec.execution.kernel_choice import ROW_PREFETCH_ENV, choose_row_prefetch
+    import verispec.kernels.kernel_choice as kernels
+    from verispec.kernels.kernel_choice import ROW_PREFETCH_ENV, choose_row_prefetch
 
     assert choose_row_prefetch(dataclasses.replace(LIB, body="portable")) == ("l1", "")  # nothing to fetch ahead
     vector = [b for b in LIB.bodies if b != "portable"]
@@ -247,8 +247,8 @@ def test_the_prefetch_choice_is_kept_per_machine_and_read_back(tmp_path, monkeyp
     import dataclasses
     import json
 
-    import verispec.execution.kernel_choice as kernels
-    from verispec.execution.kernel_choice import PREFETCH_ENV, choose_prefetch
+    import verispec.kernels.kernel_choice as kernels
+    from verispec.kernels.kernel_choice import PREFETCH_ENV, choose_prefetch
 
     monkeypatch.delenv(PREFETCH_ENV, raising=False)
     monkeypatch.setattr(kernels, "machine_busy", lambda: False)
@@ -352,7 +352,7 @@ def test_the_fused_swiglu_is_silu_of_the_gate_times_the_up_half() -> None:
 def test_a_compiler_without_avx512_vnni_still_builds_the_avx2_body(tmp_path, monkeypatch) -> None:
     import shutil
 
-    from verispec.execution import cpu_kernels
+    from verispec.kernels import cpu_kernels
 
     cc = tmp_path / "old-cc"  # refuses -mavx512vnni, as a compiler that predates it does; passes the rest on
     cc.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512vnni*) echo "unknown option" >&2; exit 1;; esac\n'
@@ -364,7 +364,7 @@ def test_a_compiler_without_avx512_vnni_still_builds_the_avx2_body(tmp_path, mon
 
 
 def test_without_a_working_compiler_the_path_is_not_offered_and_says_why(tmp_path, monkeypatch) -> None:
-    from verispec.execution import cpu_kernels
+    from verispec.kernels import cpu_kernels
     from verispec.execution.paths import candidates
 
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build

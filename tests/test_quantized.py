@@ -67,7 +67,7 @@ def test_packed_blocks_are_the_dense_loaders_weights(quantized) -> None:
 
 @pytest.mark.slow
 def test_every_linear_is_int4_and_the_rest_dense_bf16(quantized) -> None:
-    from verispec.execution.int4 import Int4Weight
+    from verispec.kernels.int4 import Int4Weight
 
     m = quantized.model
     assert all(isinstance(getattr(layer, n), Int4Weight) for layer in m.layers for n in FUSED)

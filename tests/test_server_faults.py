@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from tests.helpers import CTX, hf_greedy, make_app, serving
 from tests.helpers import live as live_app
 from verispec import LLM, SamplingParams
-from verispec.execution.sampling import target_probs
+from verispec.sampling import target_probs
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON = {"content-type": "application/json"}

@@ -1,4 +1,4 @@
-"""OpenMP thread pools handed over with the engine (execution/threads.py).
+"""OpenMP thread pools handed over with the engine (kernels/threads.py).
 
 Oracle: the operating system's own list of this process's threads (/proc/self/task): OpenMP's pool threads of the
 calling thread exist after a parallel region and are gone after the release; and torch's results, which must not
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.execution.threads import loaded_openmp, release_openmp_threads
+from verispec.kernels.threads import loaded_openmp, release_openmp_threads
 
 TASKS = Path("/proc/self/task")
 pytestmark = pytest.mark.skipif(not TASKS.exists() or torch.get_num_threads() < 2 or not loaded_openmp(),
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not TASKS.exists() or torch.get_num_threads() < 
 
 CHILD = """
 import os, torch
-from verispec.execution.threads import release_openmp_threads
+from verispec.kernels.threads import release_openmp_threads
 n = lambda: len(os.listdir("/proc/self/task"))
 x = torch.arange(4_000_000, dtype=torch.float64)
 expected = (x * 2).sum()  # large enough for torch to open a parallel region on its OpenMP threads

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import live, make_app
 from verispec import LLM
-from verispec.drafters.features import capture_many
+from verispec.execution.features import capture_many
 from verispec.train import endpoint as ep
 from verispec.train.data import generate_data, merge_parts, parse_part
 from verispec.train.shards import load_all, read_meta

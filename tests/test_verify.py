@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import chi2_pvalue
-from verispec.execution.sampling import SamplingParams, sample_index, sample_rows, target_probs
+from verispec.sampling import SamplingParams, sample_index, sample_rows, target_probs
 from verispec.execution.verify import AcceptanceConfig, residual, verify_greedy, verify_sampled
 
 
@@ -77,7 +77,7 @@ def test_sampling_params_validation():
 
 
 def test_argmax_rows_is_torchs_argmax_first_of_equals_included() -> None:
-    from verispec.execution.sampling import argmax_rows
+    from verispec.sampling import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 49152, generator=g)

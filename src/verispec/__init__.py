@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from verispec.api import LLM, RequestOutput
-    from verispec.execution.sampling import SamplingParams
+    from verispec.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_PUBLIC = {"LLM": "verispec.api", "RequestOutput": "verispec.api", "SamplingParams": "verispec.execution.sampling"}
+_PUBLIC = {"LLM": "verispec.api", "RequestOutput": "verispec.api", "SamplingParams": "verispec.sampling"}
 
 
 def __getattr__(name: str) -> Any:

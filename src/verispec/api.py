@@ -14,17 +14,17 @@ from verispec.check.state import check_kv
 from verispec.config import KV_CACHE_DTYPES, LEARNED_METHODS, ModelConfig, SpeculativeConfig
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
-from verispec.drafters.features import target_features
+from verispec.execution.features import target_features
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.costs import MeasuredStepCosts, StepCosts
 from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.invariance import linears_row_invariant
 from verispec.execution.hidden_states import hidden_states
-from verispec.execution.logprobs import Logprob, vllm_logprobs
-from verispec.execution.profile import profile_costs, profile_step_costs
-from verispec.execution.sampling import SamplingParams
-from verispec.execution.threads import release_openmp_threads
+from verispec.sampling.logprobs import Logprob, vllm_logprobs
+from verispec.engine.profile import profile_costs, profile_step_costs
+from verispec.sampling import SamplingParams
+from verispec.kernels.threads import release_openmp_threads
 from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
@@ -136,7 +136,7 @@ class LLM:
         self._engine: Engine | None = None
         self._set_speculation(speculative_config)
         # building ran kernels on this thread (the path's profile); give its OpenMP threads back so that a worker
-        # thread running this LLM later is the process's only OpenMP user (execution/threads.py); made again here
+        # thread running this LLM later is the process's only OpenMP user (kernels/threads.py); made again here
         # on this thread's next forward
         release_openmp_threads()
 

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
+
+CACHE_ENV = "VERISPEC_CACHE"
+
+
+def cache_dir() -> Path:
+    """Root of verispec's cache (models, converted checkpoints, built kernels, measured choices):
+    ``$VERISPEC_CACHE`` or ``~/.cache/verispec``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "verispec"
+
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -1,7 +1,7 @@
 """An async streaming client for any OpenAI-compatible endpoint (verispec serve, vLLM, SGLang, llama.cpp's server),
 recording what a serving benchmark needs per request.
 
-Definitions (MEASURE.md), all measured on this client's monotonic clock, from the moment the request is handed to
+Definitions (docs/measuring.md), all measured on this client's monotonic clock, from the moment the request is handed to
 the HTTP client ("send"):
 
 - TTFT = time of the first chunk that carries output (text or token ids) - send.

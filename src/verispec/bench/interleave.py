@@ -1,5 +1,5 @@
 """Arms of a single-stream comparison run interleaved: every prompt and repeat goes through every arm, in an order
-that rotates, so a noisy neighbour slows all arms alike (MEASURE.md: ratios from one run, interleaved)."""
+that rotates, so a noisy neighbour slows all arms alike (docs/measuring.md: ratios from one run, interleaved)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ verispec also exports its step clock (`verispec:engine_steps_total`, `verispec:e
 `verispec:engine_step_seconds_total{phase}`): a level's deltas give its steps, rows per step and ms per step by
 phase.
 
-Definitions (MEASURE.md): tau (mean acceptance length) = 1 + accepted / drafts, where drafts = verification steps
+Definitions (docs/measuring.md): tau (mean acceptance length) = 1 + accepted / drafts, where drafts = verification steps
 that checked at least one draft token; acceptance rate = accepted / draft tokens; per-position acceptance =
 accepted at position i / drafts (vLLM's convention: the share of steps whose draft was accepted up to i).
 """

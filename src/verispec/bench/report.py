@@ -1,7 +1,7 @@
 """Benchmark reports: raw JSON, CSV, a Markdown summary that states the three conditions, PNG plots, and one
 self-contained HTML page holding all of it (plots inlined as base64, tables as HTML).
 
-A report is a title, its conditions (concurrency, metric, baseline: MEASURE.md's three), summary tables (lists of
+A report is a title, its conditions (concurrency, metric, baseline: docs/measuring.md's three), summary tables (lists of
 row dicts with the same keys), the raw per-request records, and matplotlib figures.
 """
 
@@ -40,7 +40,7 @@ class Report:
     def __post_init__(self) -> None:
         missing = [c for c in CONDITIONS if not self.conditions.get(c)]
         if missing:
-            raise ValueError(f"a report must state its {', '.join(missing)} (MEASURE.md's three conditions)")
+            raise ValueError(f"a report must state its {', '.join(missing)} (docs/measuring.md's three conditions)")
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

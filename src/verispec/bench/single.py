@@ -1,6 +1,6 @@
 """`verispec bench single`: single-stream speculative decoding, every chosen method against plain decoding.
 
-Conditions (MEASURE.md): concurrency 1; metric = output tok/s of one stream (whole request, prefill included),
+Conditions (docs/measuring.md): concurrency 1; metric = output tok/s of one stream (whole request, prefill included),
 with TTFT, E2E, tau, per-position acceptance and the step-time split; baseline = speculation off (method none),
 same target, dtype and prompts, in the same run. Methods run interleaved (the order rotates per prompt and
 repeat), and every ratio is method tok/s / plain tok/s on the same prompt and repeat. Identity compares each

@@ -254,7 +254,7 @@ def build_report(args: argparse.Namespace, levels: Sequence[Level], ref: Level, 
 
 
 def _conditions(args: argparse.Namespace, levels: Sequence[Level], ref: Level, clients: Sequence[Any]) -> dict:
-    """MEASURE.md's three conditions of a sweep: concurrency (and the levels' bounds), metric, baseline."""
+    """docs/measuring.md's three conditions of a sweep: concurrency (and the levels' bounds), metric, baseline."""
     closed = [lv for lv in levels if lv.mode == "concurrency"]
     rates = [lv for lv in levels if lv.mode == "rate"]
     conc = []

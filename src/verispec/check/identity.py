@@ -15,7 +15,7 @@ import torch
 from verispec.models.llama import LlamaModel
 
 NEAR_TIE = 1e-3  # fp32 margin below which a divergence is attributed to arithmetic, not to the algorithm
-# bf16 logits move by up to ~0.5 with the number of tokens computed together (MEASURE.md), and tie exactly often
+# bf16 logits move by up to ~0.5 with the number of tokens computed together (docs/measuring.md), and tie exactly often
 NEAR_TIE_BY_DTYPE = {torch.float32: NEAR_TIE, torch.bfloat16: 0.5, torch.float16: 0.1}
 
 

@@ -1,6 +1,6 @@
 """Which runtime class a checkpoint's `architectures` name routes to: ours, and what vLLM and SGLang register.
 
-Documented, versioned table. The vLLM and SGLang names were read (2026-11-30) from these sources:
+Documented, versioned table. The vLLM and SGLang names were read from these sources, at the commits named:
   vLLM   vllm/model_executor/models/registry.py, `_SPECULATIVE_DECODING_MODELS` and `_TEXT_GENERATION_MODELS`, at
          commit 0002bff0b6cb36a3c8a17364de3303664463c412 (architecture -> (module, class)); that commit registers
          no DFlash / DSpark drafter. The DFlash entry ("DFlashDraftModel": qwen3_dflash.DFlashQwen3ForCausalLM) is

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from verispec.config import LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
 from verispec.drafters.base import Drafter
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 
 
 class DrafterFactory:

@@ -39,11 +39,11 @@ from verispec.drafters import draft_vocab
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.draft_vocab import DraftVocab
 from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts  # noqa: F401 (re-exported)
-from verispec.drafters.features import own
+from verispec.execution.features import own
 from verispec.drafters.dspark_head import calibrated_confidence
 from verispec.drafters.path_selector import walk
 from verispec.drafters.tree_growth import draw_distinct
-from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, sample_rows, target_probs
+from verispec.sampling import SamplingParams, argmax_rows, sample_index, sample_rows, target_probs
 from verispec.models.tree import TreeDraft
 
 TREE_TOPK = 4  # children considered per expanded node

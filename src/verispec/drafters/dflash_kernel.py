@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.execution.cpu_kernels import load
-from verispec.execution.q8act import Q8ActWeight
+from verispec.kernels.cpu_kernels import load
+from verispec.kernels.q8act import Q8ActWeight
 
 
 class DFlashKernel:

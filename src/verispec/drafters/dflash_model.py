@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion draft model (METHODS.md section 5), with DSpark's heads when cfg.dspark (section 6,
+"""The DFlash block-diffusion draft model (docs/methods.md section 5), with DSpark's heads when cfg.dspark (section 6,
 heads in dspark_head.py); the per-request drafter is in dflash.py.
 
 Model. H_ctx = RMSNorm(W_c [f_{l1}; ...; f_{lm}]) projects the target's hidden states at the committed
@@ -26,7 +26,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.drafters.dspark_head import MarkovHead
-from verispec.drafters.features import dflash_target_layer_ids
+from verispec.execution.features import dflash_target_layer_ids
 from verispec.models.rope import apply_rope
 
 MASK_HANDLING = "learned_embedding"
@@ -193,7 +193,7 @@ class DFlashModel(nn.Module):
         output exact. Not for training or export. Block forwards and context K/V then run in a few kernel calls
         per layer (drafters/dflash_kernel.py)."""
         from verispec.drafters.dflash_kernel import DFlashKernel
-        from verispec.execution.q8act import round_linears
+        from verispec.kernels.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.weight.device.type == "cpu", "the q8act kernel is CPU fp32"
         kernel = DFlashKernel(self, kind)  # from the float weights: q | k | v, gate | up and the context k | v

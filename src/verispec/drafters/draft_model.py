@@ -14,7 +14,7 @@ import torch
 from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
 from verispec.drafters.tree_growth import Growth, frontier_width
-from verispec.execution.sampling import SamplingParams, sample_index, target_probs
+from verispec.sampling import SamplingParams, sample_index, target_probs
 from verispec.models.llama import LlamaModel, Segment
 from verispec.models.tree import TreeDraft
 from verispec.state.kv_cache import KVCache

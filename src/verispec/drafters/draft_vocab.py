@@ -62,7 +62,7 @@ class DraftVocab:
         head, w2r = out_weight[self.ids], None if w2 is None else w2.detach()[self.ids]
         self.head, self.w2 = head, w2r  # dense rows; DSpark's W2 [Vd, r] (models/linear.py's Weight)
         if kernel:
-            from verispec.execution.q8act import Q8ActWeight
+            from verispec.kernels.q8act import Q8ActWeight
 
             self.head = Q8ActWeight.from_float(head.float().contiguous())
             if w2r is not None and w2r.shape[1] % 32 == 0:  # Q8_0 blocks are 32 wide, as DFlashModel rounds W2

@@ -1,4 +1,4 @@
-"""DSpark's two small heads on top of the DFlash backbone (METHODS.md section 6).
+"""DSpark's two small heads on top of the DFlash backbone (docs/methods.md section 6).
 
 Markov head (semi-autoregressive correction of the parallel block):
   p_k = softmax(U_k + B_k),  B_k = W2 W1[x_{k-1}]     U_k: the backbone's logits at block position k
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.execution.sampling import argmax_rows
+from verispec.sampling import argmax_rows
 from verispec.models.linear import residual_linear
 
 

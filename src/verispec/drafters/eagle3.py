@@ -28,9 +28,9 @@ from torch import nn
 
 from verispec.config import DEFAULT_DRAFT_QUANTIZATION
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
-from verispec.drafters.features import own
+from verispec.execution.features import own
 from verispec.drafters.tree_growth import Growth, frontier_width
-from verispec.execution.sampling import SamplingParams, sample_index, target_probs
+from verispec.sampling import SamplingParams, sample_index, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
@@ -117,7 +117,7 @@ class Eagle3Head(nn.Module):
         the output exact. Not for training. Drafting then runs the layer in a few kernel calls per step
         (drafters/eagle3_kernel.py)."""
         from verispec.drafters.eagle3_kernel import Eagle3Kernel
-        from verispec.execution.q8act import round_linears
+        from verispec.kernels.q8act import round_linears
 
         assert self.dtype is torch.float32 and self.norm.device.type == "cpu", "the q8act kernel is CPU float32"
         kernel = Eagle3Kernel(self, kind)  # from the float weights: q | k | v and gate | up stacked

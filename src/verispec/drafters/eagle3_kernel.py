@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.execution.cpu_kernels import load
-from verispec.execution.q8act import Q8ActWeight
+from verispec.kernels.cpu_kernels import load
+from verispec.kernels.q8act import Q8ActWeight
 
 
 class Eagle3Kernel:

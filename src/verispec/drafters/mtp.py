@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
-from verispec.execution.sampling import SamplingParams, sample_index, target_probs
+from verispec.sampling import SamplingParams, sample_index, target_probs
 from verispec.models.hf_weights import load_layer
 from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, rms_norm
 from verispec.models.mtp_layout import MTPLayout, MTPLayoutError, block_intermediate, detect, problems

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.execution.sampling import sample_index
+from verispec.sampling import sample_index
 
 FILES = ("path_selector.json", "path_selector.safetensors")  # stored next to the DFlash checkpoint's own files
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from verispec.engine.core import Engine, RequestTooLong
-from verispec.execution.logprobs import TokenLogprobs
-from verispec.execution.sampling import SamplingParams
-from verispec.execution.threads import release_openmp_threads
+from verispec.sampling.logprobs import TokenLogprobs
+from verispec.sampling import SamplingParams
+from verispec.kernels.threads import release_openmp_threads
 from verispec.state.request import Request
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class TokenEvent:
     error: str | None = None
     stop_reason: str | None = None  # on the last event: the stop string that ended the output
     stop_text: str | None = None  # with it: the output text cut there (decoding the tokens runs past the cut)
-    logprobs: list[TokenLogprobs] | None = None  # of token_ids, when the request asked (execution/logprobs.py)
+    logprobs: list[TokenLogprobs] | None = None  # of token_ids, when the request asked (sampling/logprobs.py)
     queue_s: float | None = None  # on the last event: seconds from submission to admission (None: never admitted)
 
 
@@ -146,7 +146,7 @@ class BackgroundEngine:
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker. The calling thread (usually the one that built the engine) first gives back its OpenMP
-        threads, so that the worker's are the process's only ones (execution/threads.py: 2.8x faster decode steps
+        threads, so that the worker's are the process's only ones (kernels/threads.py: 2.8x faster decode steps
         on 2 cores)."""
         if self._thread is None:
             release_openmp_threads()

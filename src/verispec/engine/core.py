@@ -32,7 +32,7 @@ from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, drafter_t
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
 from verispec.execution.hidden_states import check_layers, record_hidden_states, record_layers
-from verispec.execution.logprobs import record_logprobs
+from verispec.sampling.logprobs import record_logprobs
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
 from verispec.execution.tree_verify import verify_tree
 from verispec.execution.verify import EXACT, AcceptanceConfig, Verdict, verify

@@ -1,9 +1,9 @@
 """What speculation costs and how well it does: step-cost tables and per-request acceptance estimates.
 
-Pure arithmetic over numbers: no torch, no model. The tables are measured by execution/profile.py.
+Pure arithmetic over numbers: no torch, no model. The tables are measured by engine/profile.py.
 
 The scheduling policies (engine/scheduler.py) turn these into a number of draft tokens per request and step:
-E[tokens committed | k] = (1 - a^(k+1)) / (1 - a) for an acceptance estimate a (METHODS.md sections 1 and 8).
+E[tokens committed | k] = (1 - a^(k+1)) / (1 - a) for an acceptance estimate a (docs/methods.md sections 1 and 8).
 A short probe every few plain steps keeps the estimate alive, so a request whose drafts start matching again
 gets speculation back.
 """
@@ -99,9 +99,9 @@ class MeasuredStepCosts:
     policy runs, so over-speculation corrects itself.
 
     A line is the wrong shape where the real curve is flat for small blocks and then rises (a forward bound by
-    reading the weights: on one AVX-512 CPU 7.4 ms at 1 token, 7.5 at 2, 8.6 at 3): the line through tokens 1..9
-    put the single token at 6.8 ms and the step from 1 to 3 tokens at 1.5 ms instead of 1.1, which kept drafts that
-    paid out of the step. So a token count measured at least `min_count` times also bounds the estimate from below
+    reading the weights): a line through many token counts then underrates the single token and overrates the
+    first extra ones, which keeps drafts that pay out of the step (measured: docs/results/cost_model.md). So a
+    token count measured at least `min_count` times also bounds the estimate from below
     where it is measured and beyond, rising from it at the line's least slope: the estimate is the larger of the
     line and every such point carried forward. It never falls as tokens grow, never rises by less than that least
     slope per token, and a count measured once or twice (a lucky step) still only moves the line.
@@ -109,20 +109,18 @@ class MeasuredStepCosts:
     The line's slope (seconds per token) is shared by nearby sequence counts (within `NEIGHBOURS` of each other):
     the least-squares slope within each of them, pooled (each count's points about their own mean). An extra row
     costs about the same whether 14 or 15 sequences are in the forward, but a busy batch's sequence count moves
-    every few steps, so each count alone was measured at one or two token counts close together: at 16 concurrent
-    requests (ngram under dspark, in process) the lines of 14-16 sequences rested on such pairs, their slopes fell
-    to the least slope, 0.23-0.31 ms per draft row where 12 sequences' five token counts said 0.85, and dspark
-    verified drafts that did not pay (x0.92 of speculation off). With one token count measured, its line is the
-    pooled slope through it where nearby counts give one (the profile's shape through it where none do)."""
+    every few steps, so each count alone is measured at one or two token counts close together, and a slope fitted
+    to such a pair alone falls to the least slope and makes draft rows look cheap (what that did:
+    docs/results/cost_model.md). With one token count measured, its line is the pooled slope through it where nearby counts give one (the profile's shape through it where none do)."""
 
     prior: StepCosts
     window: int = 9  # measured forwards per token count whose median is its estimate
     clamp: tuple[float, float] = (0.2, 5.0)  # one forward counts within these multiples of the current estimate
     min_slope: float = 0.5  # the fitted line's cost per token is at least this fraction of the profile's
     min_count: int = 4  # forwards at one token count before its median bounds the estimate on its own
-    # a point moves the estimates only when its median moved by more than this share of it: the median of a 4 ms
-    # forward moved by microseconds on most steps, and each move refitted the line and emptied the memos (and the
-    # policies' memos keyed on `version`): 40-60 us of a 4 ms step at concurrency 1, for changes far inside the noise
+    # a point moves the estimates only when its median moved by more than this share of it: the median moves by a
+    # hair on most steps, and each move refits the line and empties the memos (and the policies' memos keyed on
+    # `version`), work spent on changes far inside the noise
     tolerance: float = 0.01
     points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> estimated seconds
     samples: dict[int, dict[int, deque[float]]] = field(default_factory=dict)  # segments -> tokens -> last seconds
@@ -150,7 +148,7 @@ class MeasuredStepCosts:
         last.append(x)
         median = statistics.median_low(last)
         # the line changes only with a point's value (beyond the tolerance) or when a count becomes well measured, so
-        # it is refitted then, not after every forward (observe and nine queries: 19 us against 25 us per step)
+        # it is refitted then, not after every forward
         if old is None or abs(median - old) > self.tolerance * old or len(last) == self.min_count:
             pts[tokens] = median
             self._lines.clear()  # nearby sequence counts share this one's slope
@@ -223,8 +221,8 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-# the default `probe_share`, 2% of the plain steps' time (0.5% cut the learned drafters' drafting time by 3-29% on
-# chat and code and left their speed level: docs/drafters.md, "Probes at 0.5%")
+# the default `probe_share`, 2% of the plain steps' time (a smaller share saved drafting time without a gain in
+# speed: docs/results/drafters.md, "Probes at 0.5%")
 PROBE_SHARE = 0.02
 
 
@@ -242,7 +240,7 @@ class AcceptanceEstimator:
     probe_len: int = 2
     max_probe_every: int = 64  # a probe that finds nothing doubles the wait before the next, up to this
     # probes of a drafter whose proposal is dear come no more often than its drafting time stays within this share of
-    # the plain steps between them (a DFlash pass of ~3.4 ms against a 3.8 ms step: 45 plain steps apart at least)
+    # the plain steps between them (a block drafter's pass that costs most of a step: dozens of plain steps apart)
     probe_share: float = PROBE_SHARE
     # the drafter's measured time per proposal (the engine seeds it with an earlier request's measurement)
     timing: DraftTiming = field(default_factory=DraftTiming)
@@ -325,7 +323,7 @@ class AcceptanceEstimator:
         self._plain_steps = 0
         # back off after every probe, found something or not: the wait returns to probe_every only once the policy
         # speculates again by itself. A probe whose matches leave speculation off has cost a longer step (on a busy
-        # batch, every request's) and bought nothing; one every 8 steps cost EAGLE-3 about 10% on chat
+        # batch, every request's) and bought nothing (docs/results/cost_model.md)
         if self._probing:
             self._probe_gap = min(2 * self._probe_gap, self.max_probe_every)
             self._probing = False

@@ -7,14 +7,14 @@ A policy decides and never touches tensors. Each step, in two calls:
                                    choice cannot bias the output distribution).
 
   static  - every request drafts and verifies K tokens (its limit permitting).
-  goodput - SmartSpec (METHODS.md section 8): choose per-request lengths that maximise expected committed
+  goodput - SmartSpec (docs/methods.md section 8): choose per-request lengths that maximise expected committed
             tokens per second of the batched step, from the profiled step-cost table and each request's
             acceptance estimate; 0 where speculation does not pay.
-  dspark  - the DSpark prefix scheduler (METHODS.md section 6): draft K, then admit (request, position) pairs
+  dspark  - the DSpark prefix scheduler (docs/methods.md section 6): draft K, then admit (request, position) pairs
             by survival (product of per-position confidences, from the drafter or an online estimator) and keep
             the prefix of that ordering with the highest Theta = (R + sum a) * SPS(B). DSpark stops at Theta's
             first drop instead (`first_drop=True`); where the first verified token costs more than the next ones
-            (a CPU step over 2 tokens: +16% of a 1-token step, over 3: +23%), that stops before drafts that pay.
+            (as on a CPU, docs/results/cost_model.md), that stops before drafts that pay.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class _CostAware:
     def nothing_pays(self, cands: Sequence[Candidate], base_tokens: int) -> bool:
         """True where no block of up to the largest limit would pay even if it were sure to survive: each of its
         tokens adds one committed token for its cost to the step (weighed with the margin). At a saturated batch
-        (16 rows on a 2-core CPU: one more row costs about what a row does) this skips drafting and the admissions
+        (one more row costs about what a row does) this skips drafting and the admissions
         over every (request, position) pair, whose cost was all speculation did there (nothing drafted leaves the
         verify-time admission no pairs, and one given sure drafts admits none of them). Tokens of several requests
         together are not tried: that they could pay where one request's block cannot needs a cost curve that
@@ -181,7 +181,7 @@ class _CostAware:
             self._pays_version = version
         key = (k, B, self.margin)
         got = self._pays.get(key)
-        if got is None:  # asked every step with the same few answers: about 45 us each in the engine, uncached
+        if got is None:  # asked every step with the same few answers: cached per version of the costs
             base = self.costs(B, B)
             got = self._pays[key] = all(
                 (B + j) * base <= B * (base + (1 + self.margin) * (self.costs(B + j, B) - base))
@@ -220,16 +220,13 @@ class GoodputPolicy(_CostAware):
         return admit_prefixes(survivals, self.costs, base_tokens, extra, margin=self.margin)
 
 
-# a draft block costing at most this share of the step is drafted whatever the estimate (10%: a suffix proposal,
-# 0.06-0.3 ms against 4.5 ms steps, fell on both sides of 5%, and at 5% suffix was 0-4% slower on every workload)
+# a draft block costing at most this share of the step is drafted whatever the estimate: a model-free proposal costs
+# a small fraction of a step, and a bar set too low gates such drafters on the estimate alone, which verifies too
+# little (how 10% was chosen: docs/results/cost_model.md)
 FREE_DRAFT_SHARE = 0.10
 # drafters that stop early draft every step while the first tokens of all of them together (at their per-token
 # time) cost at most this share of the step (the floor ends each chain where it stops paying, so a first token is
-# the most a step can waste).
-# Replayed on EAGLE-3's drafts of the five workloads with the measured step costs: drafting every step beat the
-# online estimate's gate while a first token cost under 20-30% of a step, on chat under about 20%. EAGLE-3's per-token
-# time measured 0.37-0.94 ms against 3.8-4.5 ms steps (the upper end where every proposal was one token long, so the
-# timing line has no slope and its per-token time includes the call): at 20% the gate closed on such requests
+# the most a step can waste). Chosen by replaying EAGLE-3's drafts with measured step costs: docs/results/cost_model.md
 EARLY_STOP_SHARE = 0.25
 
 
@@ -253,8 +250,7 @@ class DSparkPolicy(_CostAware):
         Where no draft could pay even if sure to survive (`nothing_pays`), nothing is drafted.
         Drafters that stop early (`survival_floors`) draft every step while their first tokens together cost at most
         EARLY_STOP_SHARE of the step: the estimate learns from verified positions, which their confidences choose,
-        and gated on it they drafted too rarely (on the default model under dspark: tau 1.0-1.1 on prompts where
-        they reach 1.8-1.9 at a fixed K).
+        and gated on it they drafted too rarely (docs/results/cost_model.md).
         A drafter with confidences whose drafting time was never measured drafts its block until it is (its first
         proposal with tokens): otherwise, where the estimate alone says no (a busy batch), it would never draft,
         never be timed, and never be found free."""

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from verispec.config import ModelConfig
-from verispec.execution.cpu import CpuInfo, cpu_info, machine_busy
+from verispec.kernels.cpu import CpuInfo, cpu_info, machine_busy
 from verispec.execution.paths import WeightPath
 from verispec.models.loader import parse_dtype
 
@@ -48,7 +48,7 @@ class PathChoice:
         """verispec's CPU kernel library where this path runs on it (gguf-q8act), else None."""
         if self.path.quantization != "gguf-q8act":
             return None
-        from verispec.execution.cpu_kernels import load
+        from verispec.kernels.cpu_kernels import load
 
         return load()
 
@@ -120,7 +120,7 @@ def _random_blocks(kind: str, n: int, k: int, seed: int):
     """An [N, K] `Q8ActWeight` of random GGUF blocks (quants random, every d and m a small finite half)."""
     import numpy as np
 
-    from verispec.execution.q8act import BLOCK, BLOCK_BYTES, Q8ActWeight
+    from verispec.kernels.q8act import BLOCK, BLOCK_BYTES, Q8ActWeight
 
     size = BLOCK_BYTES[kind]
     raw = np.random.default_rng(seed).integers(0, 256, (n, k // BLOCK, size), dtype=np.uint8)
@@ -130,7 +130,7 @@ def _random_blocks(kind: str, n: int, k: int, seed: int):
 
 def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """An [N, K] linear in the path's format with random weights: (x [M, K] -> [M, N], its bytes)."""
-    from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
+    from verispec.kernels.int4 import GROUP, N_MULTIPLE, Int4Weight
 
     dtype = parse_dtype(path.dtype)
     g = torch.Generator().manual_seed(seed)
@@ -207,7 +207,7 @@ def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath]) -> s
              device, str(linear_shapes(cfg)), str((cfg.num_layers, cfg.vocab_size, cfg.hidden_size)),
              ",".join(p.name for p in paths), str(PROFILE_M)]
     if any(p.quantization == "gguf-q8act" for p in paths):
-        from verispec.execution.cpu_build import source_digest
+        from verispec.kernels.cpu_build import source_digest
 
         parts.append(source_digest())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]

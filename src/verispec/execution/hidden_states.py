@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from verispec.drafters.features import own
+from verispec.execution.features import own
 
 if TYPE_CHECKING:
     from verispec.execution.runner import BatchOutput

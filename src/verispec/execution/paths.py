@@ -3,9 +3,9 @@
 A path is a frozen (name, dtype, quantization) triple: `fp32` and `bf16` are dense weights, `fp16` dense half
 precision (CUDA), `gguf-int4` the GGUF's own Q4_0 / Q4_1 blocks on aten's CPU int4 kernel with bf16 activations,
 `gguf-q8act` the GGUF's own blocks (and its Q8_0 head) on verispec's CPU kernel with activations quantised to int8
-per 32 values, llama.cpp's CPU arithmetic (execution/q8act.py).
+per 32 values, llama.cpp's CPU arithmetic (kernels/q8act.py).
 `candidates` lists the paths a model can run on a device; `execution/autotune.py` measures them and picks one.
-The CPU's model and flags are in execution/cpu.py.
+The CPU's model and flags are in kernels/cpu.py.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def candidates(device: str, gguf_int4: bool) -> list[WeightPath]:
     model (quantising a dense checkpoint) are never chosen for you."""
     if torch.device(device).type != "cpu":
         return [PATHS["bf16"]]
-    from verispec.execution.int4 import int4_kernel_available
+    from verispec.kernels.int4 import int4_kernel_available
 
     out = [PATHS["fp32"], PATHS["bf16"]]
     if gguf_int4 and int4_kernel_available():
         out.append(PATHS["gguf-int4"])
     if gguf_int4:
-        from verispec.execution.cpu_kernels import fast_kernel_available
+        from verispec.kernels.cpu_kernels import fast_kernel_available
 
         ok, why = fast_kernel_available()
         if ok:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from verispec.drafters.features import take
+from verispec.execution.features import take
 from verispec.models.llama import ForwardOutput, LlamaModel, Segment
 from verispec.state.kv_cache import KVCache
 
@@ -47,7 +47,7 @@ class BatchOutput:
                  layers: Sequence[int] | None = None) -> torch.Tensor:
         """[n, len(layers) d]: the captured states of `layers` (default: the drafters' `feature_layers`) at the
         block's first n rows (all by default), or at the given rows of the block (a tree's root and accepted path).
-        May be a view of the step's capture buffer: keep it through `drafters.features.own`."""
+        May be a view of the step's capture buffer: keep it through `execution.features.own`."""
         r = self.rows[block]
         layers = self.feature_layers if layers is None else layers
         if rows is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 from verispec.execution.verify import residual
 from verispec.models.tree import TreeDraft, children
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from verispec.execution.drift import lossy_drift
-from verispec.execution.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.sampling import SamplingParams, argmax_rows, sample_index, target_probs
 
 
 @dataclass(frozen=True)

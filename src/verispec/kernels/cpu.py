@@ -1,6 +1,6 @@
 """The CPU a path runs on: what every stats dict, report and /metrics label says about it (its model name, the
 instruction-set flags that decide which kernels are fast: AVX2, AVX-512, AVX-512-bf16, AMX, and the capability
-torch's own kernels were dispatched for), and what verispec's own kernels are built for (execution/cpu_build.py).
+torch's own kernels were dispatched for), and what verispec's own kernels are built for (kernels/cpu_build.py).
 """
 
 from __future__ import annotations

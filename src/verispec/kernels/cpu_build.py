@@ -21,7 +21,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from verispec.execution.cpu import cpu_info
+from verispec.kernels.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def build_flags(avx512: bool = True) -> tuple[str, ...]:
 
 
 def _source() -> bytes:
-    return resources.files("verispec.execution").joinpath("csrc", SOURCE).read_bytes()
+    return resources.files("verispec.kernels").joinpath("csrc", SOURCE).read_bytes()
 
 
 def source_digest() -> str:

@@ -1,10 +1,10 @@
-"""verispec's own CPU kernels (csrc/cpu.c), built at first use for the CPU at hand (execution/cpu_build.py) and
-loaded with ctypes: the GGUF-block matmul with int8 activations (execution/q8act.py) and fp32 attention of a few
+"""verispec's own CPU kernels (csrc/cpu.c), built at first use for the CPU at hand (kernels/cpu_build.py) and
+loaded with ctypes: the GGUF-block matmul with int8 activations (kernels/q8act.py) and fp32 attention of a few
 query rows (`Library.attention`) and RoPE in place (`Library.rope`), the gguf-q8act path's attention; and
-`vs_decoder`, all of a forward's decoder layers in one call (execution/decoder_kernel.py).
+`vs_decoder`, all of a forward's decoder layers in one call (models/decoder_kernel.py).
 
 Every matmul body computes the same bits (the tests hold each to the portable one), so which one runs, and where
-its weight streams are fetched ahead to, are questions of speed only: timed at load (execution/kernel_choice.py),
+its weight streams are fetched ahead to, are questions of speed only: timed at load (kernels/kernel_choice.py),
 and every report says which (`Library.describe()`). OpenMP is used where the compiler has it; torch's own OpenMP
 runtime, already loaded, serves the library, so its threads are torch's threads.
 """
@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from verispec.execution.cpu_build import (AVX2_FLAGS, BODIES, KINDS, KernelUnavailable, build_flags, cached_build,
+from verispec.kernels.cpu_build import (AVX2_FLAGS, BODIES, KINDS, KernelUnavailable, build_flags, cached_build,
                                           compiler)
-from verispec.execution.kernel_choice import (PREFETCH_CODES, ROW_PREFETCH_CODES, choose_body, choose_prefetch,
+from verispec.kernels.kernel_choice import (PREFETCH_CODES, ROW_PREFETCH_CODES, choose_body, choose_prefetch,
                                               choose_row_prefetch, forward_weights)
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Library:
     def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
                reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
                residual: torch.Tensor | None = None, swiglu: bool = False, body: str | None = None) -> None:
-        """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (execution/q8act.py's layout), plus
+        """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (kernels/q8act.py's layout), plus
         `residual` (float32 [M, N]) when given; x' = x, or RMSNorm(x) * norm (float32 [K]) with `eps` when `norm`
         is given, or silu(gate) * up of a float32 x = [gate | up] ([M, 2K]) when `swiglu`. x and out: contiguous
         CPU float32 or bfloat16. `body`: one of `bodies` (default: the active one); `reference`: the portable."""
@@ -202,7 +202,7 @@ def load(cache: Path | None = None) -> Library:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
     if cache is None:
-        from verispec.models.hub import cache_dir
+        from verispec.config import cache_dir
 
         cache = cache_dir()
     flags = build_flags()

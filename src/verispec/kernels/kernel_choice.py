@@ -26,8 +26,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from verispec.execution.cpu import cpu_info, machine_busy
-from verispec.execution.cpu_build import KINDS, KernelUnavailable, source_digest
+from verispec.kernels.cpu import cpu_info, machine_busy
+from verispec.kernels.cpu_build import KINDS, KernelUnavailable, source_digest
 
 BODY_ENV = "VERISPEC_CPU_BODY"  # names the body to run instead of timing them
 # where the AVX-512 body's pair streams (4 rows and more) are fetched ahead to (vs_set_prefetch)

@@ -1,5 +1,5 @@
 """A kernel path: a GGUF file's own weight blocks (Q4_0, Q4_1, Q8_0) times activations quantised to int8 per
-block of 32, on verispec's own CPU kernel (csrc/cpu.c, built by execution/cpu_build.py). This is the
+block of 32, on verispec's own CPU kernel (csrc/cpu.c, built by kernels/cpu_build.py). This is the
 arithmetic llama.cpp runs on a CPU: the weights are exactly the file's, the activations are rounded to 8 bits
 with one scale per 32 values of a row, and the products are summed in integers. A row's result depends on that
 row alone (per-row, per-block scales; a fixed order per output), so it is batch-invariant by construction.
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from verispec.execution.cpu_build import KINDS
-from verispec.execution.cpu_kernels import load
+from verispec.kernels.cpu_build import KINDS
+from verispec.kernels.cpu_kernels import load
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF's block sizes

@@ -323,7 +323,7 @@ def kv_rows(segments: Sequence[SegmentLike], num_kv_heads: int, max_len: int, de
 
 # ---- attention (per layer and group) ----------------------------------------------------------------------------
 # an attention kernel standing in for `_attention` on CPU: (q [B, M, hd], k, v [B, L, hd], bias [B?, M?, L] or
-# None) -> [B, M, hd] (execution/cpu_kernels.py's `Library.attention`, run by the gguf-q8act path)
+# None) -> [B, M, hd] (kernels/cpu_kernels.py's `Library.attention`, run by the gguf-q8act path)
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 

@@ -20,9 +20,9 @@ from typing import Sequence
 import torch
 
 from verispec.config import ModelConfig
-from verispec.execution.cpu_build import KINDS
-from verispec.execution.cpu_kernels import Library, load
-from verispec.execution.q8act import Q8ActWeight
+from verispec.kernels.cpu_build import KINDS
+from verispec.kernels.cpu_kernels import Library, load
+from verispec.kernels.q8act import Q8ActWeight
 from verispec.models.tree import ancestor_mask, depths
 
 _p, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64

@@ -57,7 +57,7 @@ class GGUFIndex:
 def _open(path: str, size: int, mtime_ns: int, cache: str | None) -> GGUFIndex:
     key = hashlib.sha256(f"{path}|{size}|{mtime_ns}|{VERSION}".encode()).hexdigest()[:24]
     if cache is None:
-        from verispec.models.hub import cache_dir
+        from verispec.config import cache_dir
 
         cache = str(cache_dir())
     file = Path(cache) / "gguf-index" / f"{key}.json"

@@ -22,7 +22,8 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-CACHE_ENV = "VERISPEC_CACHE"
+from verispec.config import cache_dir
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CHUNK = 1 << 20
 
@@ -58,12 +59,6 @@ REGISTRY: dict[str, KnownModel] = {
 }
 # Lower-cased alias -> registry name (registry names themselves match case-insensitively).
 ALIASES: dict[str, str] = {"huggingfacetb/smollm2-135m-instruct": DEFAULT_MODEL}
-
-
-def cache_dir() -> Path:
-    """Root of the verispec cache: ``$VERISPEC_CACHE`` or ``~/.cache/verispec``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "verispec"
 
 
 def lookup_known(name: str) -> KnownModel | None:

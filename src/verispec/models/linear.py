@@ -1,5 +1,5 @@
 """The linear-layer and RMSNorm arithmetic of models/llama.py's decoder: a layer's weight is a dense tensor or a
-kernel-path module (execution/int4.py's `Int4Weight`, execution/q8act.py's `Q8ActWeight`, put there by
+kernel-path module (kernels/int4.py's `Int4Weight`, kernels/q8act.py's `Q8ActWeight`, put there by
 models/quantized.py) that multiplies itself; a kernel module that takes the input's RMSNorm or the residual into its
 call (`fuses_norm`) gets them, with its own arithmetic for those.
 """
@@ -33,7 +33,7 @@ def _fp32_scalar(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-# A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. execution/int4.py's
+# A layer's weight is a tensor [out, in] (the default) or a kernel-path module (e.g. kernels/int4.py's
 # `Int4Weight`, put there by models/quantized.py) that multiplies itself: w(h [N, in]) -> [N, out].
 Weight = torch.Tensor | nn.Module
 

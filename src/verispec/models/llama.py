@@ -11,7 +11,7 @@ of the new positions, the segments, the attention plan per window size, the cach
 calls per layer. On CPU at one token per step a layer is ~60 small ops besides its 4 matmuls, each costing
 microseconds of dispatch, so the layer code keeps that count low (in-place ops, no Python-number operands, one
 dtype conversion of q per layer, views instead of copies) without changing the arithmetic; the linears and the
-RMSNorm are models/linear.py's. A model with a `decoder_kernel` (the gguf-q8act path, execution/decoder_kernel.py)
+RMSNorm are models/linear.py's. A model with a `decoder_kernel` (the gguf-q8act path, models/decoder_kernel.py)
 runs all its layers in one call of it instead, with the same arithmetic.
 `LlamaModel.prefill` / `prefill_fresh` are the one "forward over tokens in an empty slot, then commit" helper.
 Weights keep their fused names (`layer.qkv`, `layer.o`, `layer.gate_up`, `layer.attn_norm`, ...): the loader,
@@ -92,7 +92,7 @@ def _offsets(s: Segment) -> Sequence[int]:
 RopeKernel = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 
 class DecoderKernelLike(Protocol):
-    """Every decoder layer of a forward in one call (execution/decoder_kernel.py's `DecoderKernel`)."""
+    """Every decoder layer of a forward in one call (models/decoder_kernel.py's `DecoderKernel`)."""
 
     def covers(self, segments: Sequence[Segment], cache: Cache) -> bool: ...
 
@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
         # in-place RoPE
         self.attention_kernel: AttentionKernel | None = None
         self.rope_kernel: RopeKernel | None = None
-        # all decoder layers of a forward in one call (execution/decoder_kernel.py; models/quantized.py), or None:
+        # all decoder layers of a forward in one call (models/decoder_kernel.py; models/quantized.py), or None:
         # `covers(segments, cache)` says whether it takes a forward, `run(x, segments, cache, cos, sin, capture)`
         self.decoder_kernel: DecoderKernelLike | None = None
         self.set_rope_length(rope_len or cfg.max_position_embeddings)

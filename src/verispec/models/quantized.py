@@ -1,9 +1,9 @@
 """GGUF-quantised decoders: the dense decoder loaded first, then its linears replaced by kernel modules built from
 the file's own blocks (no requantisation).
 - `quantization="gguf"` (`quantize_from_gguf`, bf16): every linear whose GGUF tensors are all Q4_0 / Q4_1 becomes
-  an `Int4Weight` (execution/int4.py: aten's CPU int4 kernel, bf16 activations). The head stays dense.
+  an `Int4Weight` (kernels/int4.py: aten's CPU int4 kernel, bf16 activations). The head stays dense.
 - `quantization="gguf-q8act"` (`quantize_q8act`, fp32 activations): every linear whose GGUF tensors share one of
-  Q4_0 / Q4_1 / Q8_0 becomes a `Q8ActWeight` (execution/q8act.py: verispec's kernel, int8 activations per 32, as
+  Q4_0 / Q4_1 / Q8_0 becomes a `Q8ActWeight` (kernels/q8act.py: verispec's kernel, int8 activations per 32, as
   llama.cpp computes), and so does the output head (the tied embedding's blocks, or `output.weight`); attention
   runs on verispec's fp32 CPU kernel (`Library.attention`).
 Fused weights stack their parts along N as the HF loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp
@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 from torch import nn
 
-from verispec.execution.int4 import GROUP, N_MULTIPLE, Int4Weight
+from verispec.kernels.int4 import GROUP, N_MULTIPLE, Int4Weight
 from verispec.models.gguf_blocks import FORMATS, Blocks, raw_rows, read_blocks, tensor_kind
 from verispec.models.gguf_index import GGUFIndex
 from verispec.models.llama import LlamaModel
@@ -88,9 +88,9 @@ def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
 def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
     place (a CPU model loaded from that file). Returns how many were replaced, the head included."""
-    from verispec.execution.cpu_kernels import load
-    from verispec.execution.decoder_kernel import DecoderKernel
-    from verispec.execution.q8act import Q8ActWeight
+    from verispec.kernels.cpu_kernels import load
+    from verispec.models.decoder_kernel import DecoderKernel
+    from verispec.kernels.q8act import Q8ActWeight
 
     reader = GGUFIndex.open(gguf_path)
     replaced = 0

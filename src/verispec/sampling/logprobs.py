@@ -8,14 +8,18 @@ from (accepted drafts, then the recovered or bonus token), so plain and speculat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from verispec.execution.runner import BatchOutput
+
+
+class BlockLogits(Protocol):
+    """What record_logprobs reads of a forward's output (execution/runner.py's BatchOutput)."""
+
+    def logits(self, block: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Recorded(Protocol):
     output_logprobs: list[TokenLogprobs]
 
 
-def record_logprobs(req: Recorded, out: BatchOutput, block: int, kept: list[int], rows: list[int] | None = None
+def record_logprobs(req: Recorded, out: BlockLogits, block: int, kept: list[int], rows: list[int] | None = None
                     ) -> None:
     """After `req.append` kept `kept` (the first len(kept) tokens emitted from decode block `block`, whose logits
     row i the i-th was verified or sampled from; row rows[i] for a draft tree): store their logprobs on the request

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any, AsyncIterator, Protocol, Sequence
 
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 
 SEED_SPACE = 2**64  # torch seeds: [-2^63, 2^64)
 

@@ -1,5 +1,5 @@
 """OpenAI's `logprobs` on the wire: the request fields -> SamplingParams.logprobs, and per-token entries
-(execution/logprobs.py: the log_softmax of the target's raw logits, as vLLM returns by default) -> a choice's
+(sampling/logprobs.py: the log_softmax of the target's raw logits, as vLLM returns by default) -> a choice's
 `logprobs` object.
 
 Completions: `"logprobs": N` (0..5) -> {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from verispec.execution.logprobs import TokenLogprobs
+from verispec.sampling.logprobs import TokenLogprobs
 
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from verispec.engine.stops import partial_stop_len
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 from verispec.server.logprobs import parse_logprobs
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from verispec.execution.sampling import SamplingParams
+from verispec.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from verispec.execution.logprobs import TokenLogprobs
+    from verispec.sampling.logprobs import TokenLogprobs
 
 _ids = itertools.count()
 
@@ -152,7 +152,7 @@ class Request:
     error: str | None = None  # why the request failed, with finish_reason "error"
     stop_reason: str | None = None  # the stop string that ended the output (finish_reason "stop")
     stop_text: str | None = None  # the output text cut at that stop string (decoding output_ids runs past it)
-    # per output token when params.logprobs is set (execution/logprobs.py), aligned with output_ids
+    # per output token when params.logprobs is set (sampling/logprobs.py), aligned with output_ids
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with params.return_hidden_states: the recorded states of the committed positions in order, one
     # [n, len(layers) d] tensor per commit (layers concatenated in ascending order); cleared on preemption

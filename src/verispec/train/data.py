@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from verispec.drafters.features import dflash_layers, eagle3_layers
+from verispec.execution.features import dflash_layers, eagle3_layers
 from verispec.train.corpus import project_prompts
 from verispec.train.corpus_formats import format_prompts
 from verispec.train.shards import link_shard, read_meta, shard_name, write_meta, write_shard
@@ -107,7 +107,7 @@ def _fitting(llm, prompts: list[dict], max_tokens: int) -> list[dict]:
 
 
 def _params(mode: str, job: int, max_tokens: int, temperature: float, seed: int, record: tuple[int, ...]):
-    from verispec.execution.sampling import SamplingParams
+    from verispec.sampling import SamplingParams
 
     if mode == "greedy":
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, return_hidden_states=record)
@@ -259,7 +259,7 @@ def _write(out: Path, i: int, model, prompts: list[list[int]], responses: list[l
            layers: list[int], meta: dict) -> None:
     """Shard i from its prompts and responses: the states recorded while generating, or a batched prefill now;
     `meta` counts it (the caller writes meta.json after the shard)."""
-    from verispec.drafters.features import capture_many
+    from verispec.execution.features import capture_many
 
     full = [p + r for p, r in zip(prompts, responses)]
     if recorded is not None:

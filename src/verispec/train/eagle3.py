@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from verispec.drafters.draft_vocab import most_frequent
 from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
 from verispec.drafters.eagle3 import load as load_head
-from verispec.drafters.features import eagle3_layers
+from verispec.execution.features import eagle3_layers
 from verispec.drafters.shipped import resolve as resolve_drafter
 from verispec.models.llama import LlamaModel
 from verispec.train.distributed import Dist

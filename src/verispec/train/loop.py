@@ -37,7 +37,7 @@ def amp_choice(amp: str, device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "off"
     if device.type == "cpu":
-        from verispec.execution.cpu import cpu_info
+        from verispec.kernels.cpu import cpu_info
 
         return "bf16" if {"avx512_bf16", "amx_bf16"} & set(cpu_info().flags) else "off"
     return "off"

@@ -4,7 +4,7 @@
  *   Q4_0: fp16 d, 32 nibbles      w = (q - 8) d   (taken as q d + m with m = -8 d, exact in float)
  *   Q4_1: fp16 d, fp16 m, nibbles w = q d + m
  *   Q8_0: fp16 d, 32 int8         w = q d
- * but eight output rows are interleaved ("x8" layout, built by execution/ggml_cpu.py) so that one vector's lanes
+ * but eight output rows are interleaved ("x8" layout, built by kernels/q8act.py) so that one vector's lanes
  * are eight outputs. A tile = 8 rows x 1 block:
  *   d[8] fp16 | m[8] fp16 (Q4_1 only) | quants: 8 groups g of [row 0..7][4 bytes]
  * where for 4-bit weights group g < 4 holds nibble bytes 4g..4g+3 (their low nibbles are elements 4g..4g+3, their
@@ -20,7 +20,7 @@
  * Three bodies: the portable one (plain C, the reference), the AVX2 + FMA + F16C one and, where the CPU has
  * AVX-512 F / BW / VL / VNNI, one that takes two tiles per 512-bit vector (16 outputs) and sums with vpdpbusd; the
  * tests hold each to the portable one bit for bit, so choosing among them (vs_set_body) changes only the speed.
- * Built at first use by execution/cpu_kernels.py with the flags this CPU has.
+ * Built at first use by kernels/cpu_kernels.py with the flags this CPU has.
  *
  * Also here: `vs_attention`, fp32 attention of a few query rows over their keys, `vs_rope`, and `vs_decoder`,
  * every decoder layer of a forward in one call (see there).
