@@ -111,7 +111,8 @@ class MeasuredStepCosts:
     costs about the same whether 14 or 15 sequences are in the forward, but a busy batch's sequence count moves
     every few steps, so each count alone is measured at one or two token counts close together, and a slope fitted
     to such a pair alone falls to the least slope and makes draft rows look cheap (what that did:
-    docs/results/cost_model.md). With one token count measured, its line is the pooled slope through it where nearby counts give one (the profile's shape through it where none do)."""
+    docs/results/cost_model.md). With one token count measured, its line is the pooled slope through it where
+    nearby counts give one (the profile's shape through it where none do)."""
 
     prior: StepCosts
     window: int = 9  # measured forwards per token count whose median is its estimate
