@@ -72,6 +72,31 @@ sglang:spec_accept_length{model_name="m",tp_rank="1"} 2.5
 sglang:spec_accept_rate{model_name="m",tp_rank="0"} 0.6
 """
 
+# llama-server --metrics, as tools/server/server-task.cpp (llama-cpp-python 0.3.36's llama.cpp) writes it: the family
+# is named with its _total suffix
+LLAMACPP = """# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total {t}
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total {a}
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total {d}
+# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {p0}
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {p1}
+"""
+
+
+def test_llama_server_counters_are_read() -> None:
+    before = parse_spec_metrics(LLAMACPP.format(t=0, a=0, d=0, p0=0, p1=0))
+    after = parse_spec_metrics(LLAMACPP.format(t=70, a=23, d=10, p0=9, p1=8))
+    assert (after.family, after.drafts, after.draft_tokens, after.accepted) == ("llamacpp", 10, 70, 23)
+    d = spec_delta(before, after)
+    assert d["tau"] == 1 + 23 / 10 and d["acceptance_rate"] == 23 / 70 and d["per_pos_accepted"] == [9, 8]
+
 
 def test_prometheus_parsing_of_three_families() -> None:
     before = parse_spec_metrics(VERISPEC.format(d=4, t=16, a=6, p0=4, p1=2))

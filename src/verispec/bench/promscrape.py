@@ -1,12 +1,14 @@
 """Speculative-decoding counters from a server's Prometheus /metrics, and their deltas over a benchmark level.
 
-Three name families are read (parsed with prometheus-client's own text parser; series with other labels, e.g.
+Four name families are read (parsed with prometheus-client's own text parser; series with other labels, e.g.
 vLLM's `engine` / `model_name`, are summed):
 
 - verispec (ours, `verispec.server.metrics`): counters `verispec:spec_decode_num_drafts_total`,
   `verispec:spec_decode_num_draft_tokens_total`, `verispec:spec_decode_num_accepted_tokens_total`,
   `verispec:spec_decode_num_accepted_tokens_per_pos_total{position}`.
 - vLLM (v1 engine): the same counters under `vllm:`.
+- llama.cpp's llama-server (started with --metrics): the same counters under `llamacpp:` (its
+  tools/server/server-task.cpp; drafts = verification steps with a non-empty draft, as ours).
 - SGLang: no counters, two gauges set by the scheduler at each of its log intervals over the recent batches,
   `sglang:spec_accept_length` (mean acceptance length, bonus token included) and `sglang:spec_accept_rate`
   (accepted / drafted). Names as in SGLang's `python/sglang/srt/metrics/collector.py`. A gauge has no delta: a
@@ -32,7 +34,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-FAMILIES = ("verispec", "vllm")
+FAMILIES = ("verispec", "vllm", "llamacpp")
 COUNTERS = {"drafts": "spec_decode_num_drafts", "draft_tokens": "spec_decode_num_draft_tokens",
             "accepted": "spec_decode_num_accepted_tokens"}
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"
@@ -68,8 +70,8 @@ def _counter_name(sample_name: str) -> str:
 
 
 def parse_spec_metrics(text: str) -> SpecSnapshot:
-    """Read the spec-decode values of one /metrics text (any of the three families; the first found wins, in the
-    order verispec, vLLM, SGLang)."""
+    """Read the spec-decode values of one /metrics text (any of the known families; the first found wins, in the
+    order verispec, vLLM, llama.cpp, SGLang)."""
     found: dict[str, SpecSnapshot] = {f: SpecSnapshot(family=f) for f in (*FAMILIES, "sglang")}
     seen: set[str] = set()
     gauge_n: dict[str, int] = {}
