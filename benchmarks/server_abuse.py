@@ -222,6 +222,8 @@ def summarize(rows: list[dict], log: Path, sig: dict) -> str:
            "log growth (bytes) |", "|---|---|---|---|---|"]
     for name in ABUSE:
         pairs = [(rows[i - 1], r) for i, r in enumerate(rows) if r["abuse"] == name and i > 0]
+        if not pairs:
+            continue
         ratios = [b["tok_s"] / r["tok_s"] if r["tok_s"] else float("inf") for b, r in pairs]
         sts: dict = {}
         for _, r in pairs:

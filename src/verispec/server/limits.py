@@ -99,6 +99,9 @@ def _check_text(s: str, where: str | None) -> None:
                           "\\ud83d\\ude00).", where) from None
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})  # what json.loads gives besides str, list and dict
+
+
 def check_json(body: Any) -> None:
     """400 for a value nested deeper than MAX_JSON_DEPTH, or a string (value or key) holding a lone UTF-16 surrogate,
     naming where (e.g. `messages[0].content`). Iterative: it never recurses however deep the body nests."""
@@ -116,7 +119,7 @@ def check_json(body: Any) -> None:
                 _check_text(key, where or None)
                 if isinstance(v, (str, list, dict)):
                     todo.append((v, f"{where}.{key}" if where else key, depth + 1))
-        else:
+        elif not _SCALARS.issuperset(map(type, value)):  # (a list of numbers is skipped at C speed)
             todo.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)
                         if isinstance(v, (str, list, dict)))
 

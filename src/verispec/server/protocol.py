@@ -193,9 +193,9 @@ def _echo(name: str) -> str:
 def _check_keys(body: dict, allowed: set[str]) -> None:
     unknown = [k for k in body if k not in allowed]
     if unknown:
-        shown = ", ".join(_echo(k) for k in sorted(unknown)[:5]) + (f" and {len(unknown) - 5} more"
+        names = ", ".join(_echo(k) for k in sorted(unknown)[:5]) + (f" and {len(unknown) - 5} more"
                                                                     if len(unknown) > 5 else "")
-        raise bad_request(f"Unrecognized request argument(s): {shown}. Supported: "
+        raise bad_request(f"Unrecognized request argument(s): {names}. Supported: "
                           f"{', '.join(sorted(allowed - _IGNORED))}.", _echo(min(unknown)))
     _check_bookkeeping(body)
     for key, neutral in _NEUTRAL.items():
