@@ -13,6 +13,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from verispec.server.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
+from verispec.server.protocol import (MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
+                                      MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 
 REF = "#/components/schemas/"
 ROLES = ["system", "developer", "user", "assistant", "tool"]
@@ -43,13 +45,18 @@ def _sampling(max_model_len: int, vocab: int, max_n: int) -> dict[str, Any]:
         "stream_options": _nullable({"type": "object", "additionalProperties": False, "properties": {
             "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
             description="only with stream: true"),
-        "stop": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 4,
-                                                          "items": {"type": "string", "minLength": 1}}]}),
+        "stop": _nullable({"anyOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                                     {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                                      "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}]}),
         "include_stop_str_in_output": _nullable({"type": "boolean"}),
-        "stop_token_ids": _nullable(ids),
+        "stop_token_ids": _nullable({**ids, "maxItems": MAX_STOP_TOKEN_IDS}),
         "ignore_eos": _nullable({"type": "boolean"}),
         "return_token_ids": _nullable({"type": "boolean"}, description="each choice's token ids (vLLM)"),
         "user": {"type": "string", "description": "ignored"},
+        "metadata": _nullable({"type": "object", "maxProperties": MAX_METADATA_KEYS,
+                               "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+                               "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}},
+                              description="ignored; OpenAI's limits"),
     }
 
 
@@ -78,6 +85,9 @@ def request_schemas(max_model_len: int, vocab: int, max_n: int) -> dict[str, Any
         "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_CHAT_TOP_LOGPROBS},
                                   description="needs logprobs: true"),
+        "split_special_tokens": _nullable({"type": "boolean"}, description=(
+            "true: special tokens typed in the messages' text (e.g. <|im_end|>) are tokenised as plain text; "
+            "default false, as vLLM: they are parsed as the special tokens")),
         "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}},
                                       "required": ["type"], "additionalProperties": False}),
     }}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -167,7 +168,8 @@ _SAMPLING_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed"
                   "stop", "include_stop_str_in_output",
                   "n", "stream", "stream_options", "return_token_ids", "top_logprobs", *_NEUTRAL, *_IGNORED}
 COMPLETION_KEYS = _SAMPLING_KEYS | {"prompt", "logprobs"}
-CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "logprobs", "response_format"}
+CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "logprobs", "response_format",
+                              "split_special_tokens"}
 
 
 def _same(v: Any, neutral: Any) -> bool:
@@ -401,8 +403,31 @@ def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
         raise bad_request(f"{e}.", "messages") from None
     except Exception as e:  # a template may raise on unusual role orders
         raise bad_request(f"The chat template rejected these messages: {e}", "messages") from None
-    ids = list(llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # the template holds the special tokens
+    if _bool(body, "split_special_tokens", False):
+        ids = _chat_ids_split(llm, messages)
+    else:  # as vLLM: the template holds the special tokens, and so may the messages' text
+        ids = list(llm.tokenizer(text, add_special_tokens=False)["input_ids"])
     return _finish("chat", body, llm, ids, max_key, None)
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")  # a message's place in the rendered template (private-use characters)
+
+
+def _chat_ids_split(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
+    """The chat prompt's ids with special tokens typed in the messages' text tokenised as plain text (`<|im_end|>`
+    in a user message stays characters, not a role boundary): the template is rendered with a marker in place of
+    each message's content, its own text tokenised as usual and each content with HF's split_special_tokens."""
+    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+    rendered = llm.apply_chat_template(marked)
+    ids: list[int] = []
+    pieces = _MARK.split(rendered)  # template text, message index, template text, ...
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:
+            ids += llm.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        else:
+            content = messages[int(piece)]["content"]
+            ids += llm.tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
 
 
 # ---- responses -----------------------------------------------------------------------------------------------

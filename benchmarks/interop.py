@@ -1,0 +1,318 @@
+"""Our drafters served where users serve: each shipped drafter exported, converted with llama.cpp's converter, run in
+llama-server with its speculative type (and in vLLM where it imports), the same prompts through verispec at the
+same K; tau side by side.
+
+Conditions: concurrency 1 (one request at a time, one server slot); metric = tau, mean accepted length = 1 + accepted
+draft tokens / verification steps that checked a draft (verispec: the engine's counters; llama-server: its /metrics
+`llamacpp:spec_decode_*` counters over the run; vLLM: its `vllm:spec_decode_*` counters), and each engine's own
+output tok/s (output tokens / the request's wall time seen by the client, prefill included; a speed of that engine
+on this machine, not a ratio between engines); baseline = verispec's tau with the same drafter weights (the
+checkpoint without its draft vocabulary, which no export carries) on the same prompt token ids, greedy, a fixed K
+(static scheduler, chains). The target is the same GGUF: llama-server runs its Q4_1 blocks, verispec its float32
+dequantisation, so the greedy texts may part where two tokens nearly tie (the `same text` column).
+
+DFlash and DSpark: llama-server runs a block of K + 1 rows, verispec always its trained block (8 rows on the shipped
+drafters): K = block_size - 1 = 7 (the default) is the K at which both run the same block.
+
+    python benchmarks/interop.py --llama-cpp /path/to/llama.cpp --llama-server /path/to/llama-server \\
+        --converter-python /path/to/python --k 7 --limit 2
+
+`--llama-cpp` is a llama.cpp source tree (its convert_hf_to_gguf.py and gguf-py); `--converter-python` a Python with
+the converter's requirements (torch, transformers, sentencepiece, numpy). A missing peer is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from verispec import LLM, SamplingParams
+from verispec.bench.promscrape import parse_spec_metrics
+from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.train.cli import add_train_parser, cmd_train
+
+DRAFTERS = {  # name -> (shipped checkpoint, export command, llama-server --spec-type, vLLM method)
+    "eagle3": ("smollm2-135m-instruct-eagle3", "export-eagle3", "draft-eagle3", "eagle3"),
+    "dflash": ("smollm2-135m-instruct-dflash", "export-dflash --format dflash", "draft-dflash", "dflash"),
+    "dspark": ("smollm2-135m-instruct-dspark", "export-dflash --format speculators", "draft-dspark", "dspark"),
+}
+
+
+def show(cmd: list[str]) -> str:
+    line = " ".join(shlex.quote(str(c)) for c in cmd)
+    print(f"$ {line}", flush=True)
+    return line
+
+
+def export(name: str, out: Path, model: str) -> tuple[Path, str]:
+    """The drafter exported as a user would (the `verispec train export-*` command, run here in-process)."""
+    ckpt, sub, _, _ = DRAFTERS[name]
+    cmd = ["verispec", "train", *sub.split(), ckpt, str(out)] + ([] if name == "eagle3" else ["--model", model])
+    line = show(cmd)
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    cmd_train(parser.parse_args(cmd[1:]))
+    return out, line
+
+
+def convert(llama_cpp: Path, python: str, src: Path, target_dir: Path, out: Path) -> tuple[Path | None, str, str]:
+    """llama.cpp's convert_hf_to_gguf.py on an export -> (GGUF or None, command, error tail)."""
+    cmd = [python, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--target-model-dir", str(target_dir),
+           "--outfile", str(out), "--outtype", "f32"]
+    line = show(cmd)
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if p.returncode != 0 or not out.is_file():
+        return None, line, "\n".join((p.stderr or p.stdout).strip().splitlines()[-6:])
+    return out, line, ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+class LlamaServer:
+    """llama-server with a draft, one slot, /metrics on; stopped (by its own pid) on exit."""
+
+    def __init__(self, binary: str, target: Path, draft: Path, spec_type: str, k: int, threads: int, log: Path):
+        self.port = free_port()
+        self.cmd = [binary, "-m", str(target), "-md", str(draft), "--spec-type", spec_type,
+                    "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                    "-c", "4096", "-np", "1", "-t", str(threads), "--metrics", "--host", "127.0.0.1",
+                    "--port", str(self.port)]
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:  # noqa: PYI034
+        self.line = show(self.cmd)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): "
+                                   + " | ".join(self.log.read_text().strip().splitlines()[-4:]))
+            try:
+                if json.loads(http(f"{self.url}/health", timeout=5)).get("status") == "ok":
+                    return self
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError("llama-server did not become healthy in 300 s")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def complete(self, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "cache_prompt": False,
+                "return_tokens": True, "seed": 0}
+        t0 = time.perf_counter()
+        out = json.loads(http(f"{self.url}/completion", body))
+        return [int(t) for t in out.get("tokens", [])], time.perf_counter() - t0
+
+    def metrics(self):
+        return parse_spec_metrics(http(f"{self.url}/metrics").decode())
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run_llama(server: LlamaServer, prompts: list[list[int]], max_tokens: int) -> dict:
+    server.complete(prompts[0], 8)  # warm-up, outside the counts and the clock
+    before = server.metrics()
+    outs, secs = [], 0.0
+    for ids in prompts:
+        toks, s = server.complete(ids, max_tokens)
+        outs.append(toks)
+        secs += s
+    after = server.metrics()
+    drafts, accepted = after.drafts - before.drafts, after.accepted - before.accepted
+    n = sum(len(o) for o in outs)
+    return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
+            "tok_s": n / secs if secs else float("nan"), "outputs": outs}
+
+
+def verispec_checkpoint(name: str, work: Path) -> Path:
+    """The shipped checkpoint without its draft vocabulary: the weights the export carries."""
+    from verispec.drafters.shipped import resolve
+
+    src, dst = resolve(DRAFTERS[name][0]), work / f"{name}-ckpt"
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("draft_vocab.safetensors"))
+    return dst
+
+
+def run_verispec(base: LLM, method: str, ckpt: Path, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    e = base.with_speculation({"method": method, "model": str(ckpt), "num_speculative_tokens": k,
+                               "adaptive": False})
+    e.scheduler = "static"
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    e.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
+    c = e.engine.counters
+    d0, a0 = c.num_drafts, c.num_accepted_tokens
+    outs, secs = [], 0.0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = e.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        secs += time.perf_counter() - t0
+        outs.append(list(out.token_ids))
+    drafts, accepted = c.num_drafts - d0, c.num_accepted_tokens - a0
+    n = sum(len(o) for o in outs)
+    return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
+            "tok_s": n / secs, "outputs": outs}
+
+
+def run_vllm(target_dir: Path, export_dir: Path, method: str, k: int, prompts: list[list[int]],
+             max_tokens: int) -> dict:
+    """vLLM's offline engine with the export as its speculative model; tau from its spec_decode counters."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VParams
+
+    llm = VLLM(model=str(target_dir), speculative_config={"method": method, "model": str(export_dir),
+                                                          "num_speculative_tokens": k}, max_model_len=4096,
+               disable_log_stats=False)
+    params = VParams(temperature=0.0, max_tokens=max_tokens)
+    outs, secs = [], 0.0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        secs += time.perf_counter() - t0
+        outs.append(list(o.outputs[0].token_ids))
+    counts = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts = counts.get("vllm:spec_decode_num_drafts", 0)
+    accepted = counts.get("vllm:spec_decode_num_accepted_tokens", 0)
+    n = sum(len(o) for o in outs)
+    return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
+            "tok_s": n / secs, "outputs": outs}
+
+
+def same_text(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--drafters", default="eagle3,dflash,dspark")
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="a llama.cpp source tree (convert_hf_to_gguf.py)")
+    ap.add_argument("--llama-server", default=None, help="the llama-server binary")
+    ap.add_argument("--converter-python", default=sys.executable, help="Python that runs llama.cpp's converter")
+    ap.add_argument("--k", type=int, default=7, help="draft tokens per step, every engine")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--limit", type=int, default=2, help="prompts per workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
+    ap.add_argument("--work", type=Path, default=None, help="directory for exports, GGUFs and logs (default: temp)")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="verispec-interop-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    base = LLM(args.model, dtype="float32", device="cpu", max_model_len=4096, max_num_seqs=1, progress=False)
+    target_dir, target_gguf = base.resolved.directory, base.resolved.gguf
+    prompts = [base.tokenizer(base.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
+               for wl in args.workloads.split(",") for wp in load_workload(wl, limit=args.limit)]
+    print(f"{len(prompts)} prompts ({args.workloads}, {args.limit} each), K = {args.k}, max_tokens "
+          f"{args.max_tokens}; target {target_gguf}; work {work}", flush=True)
+    peers = {"llama.cpp converter": args.llama_cpp and (args.llama_cpp / "convert_hf_to_gguf.py").is_file(),
+             "llama-server": args.llama_server and shutil.which(args.llama_server)}
+    try:
+        import vllm  # noqa: F401
+
+        has_vllm = True
+    except ImportError as e:
+        has_vllm, vllm_why = False, f"vLLM missing (`import vllm`: {e})"
+    for peer, ok in peers.items():
+        if not ok:
+            print(f"{peer}: not given or not found (--llama-cpp DIR / --llama-server BIN); skipped", flush=True)
+    if not has_vllm:
+        print(vllm_why, flush=True)
+
+    rows = []
+    for name in args.drafters.split(","):
+        row: dict = {"drafter": name, "commands": []}
+        out, line = export(name, work / f"{name}-export", args.model)
+        row["commands"].append(line)
+        ours = run_verispec(base, name, verispec_checkpoint(name, work), args.k, prompts, args.max_tokens)
+        row["verispec"] = {k: v for k, v in ours.items() if k != "outputs"}
+        print(f"{name}: verispec tau {ours['tau']:.3f} ({ours['drafts']} drafts), {ours['tok_s']:.1f} tok/s",
+              flush=True)
+        gguf = None
+        if peers["llama.cpp converter"]:
+            gguf, line, err = convert(args.llama_cpp, args.converter_python, out, target_dir, work / f"{name}.gguf")
+            row["commands"].append(line)
+            row["converts"] = "yes" if gguf else f"no: {err}"
+        if gguf and peers["llama-server"]:
+            try:
+                with LlamaServer(args.llama_server, target_gguf, gguf, DRAFTERS[name][2], args.k, args.threads,
+                                 work / f"{name}-server.log") as srv:
+                    row["commands"].append(srv.line)
+                    got = run_llama(srv, prompts, args.max_tokens)
+                row["llama.cpp"] = {k: v for k, v in got.items() if k != "outputs"}
+                row["llama.cpp"]["same_text"] = same_text(got["outputs"], ours["outputs"])
+                print(f"{name}: llama-server tau {got['tau']:.3f} ({got['drafts']:.0f} drafts), "
+                      f"{got['tok_s']:.1f} tok/s, same text {row['llama.cpp']['same_text']}", flush=True)
+            except (RuntimeError, OSError) as e:
+                row["llama.cpp"] = {"error": str(e)}
+                print(f"{name}: llama-server failed: {e}", flush=True)
+        if has_vllm:
+            try:
+                got = run_vllm(target_dir, out, DRAFTERS[name][3], args.k, prompts, args.max_tokens)
+                row["vllm"] = {k: v for k, v in got.items() if k != "outputs"}
+                row["vllm"]["same_text"] = same_text(got["outputs"], ours["outputs"])
+            except Exception as e:  # noqa: BLE001 - a peer's failure is a row of the report, not a crash
+                row["vllm"] = {"error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+    print_table(rows, args, has_vllm)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def cell(r: dict | None, key: str, fmt: str) -> str:
+    if r is None:
+        return "not run"
+    if "error" in r:
+        return "failed: " + r["error"][:80]
+    return format(r[key], fmt)
+
+
+def print_table(rows: list[dict], args, has_vllm: bool) -> None:
+    print("\n| drafter | K | tau verispec | tau llama-server | llama/verispec | tau vLLM | same text (llama) "
+          "| converts | tok/s verispec (fp32 torch) | tok/s llama-server (Q4_1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        v, lc, vl = r["verispec"], r.get("llama.cpp"), r.get("vllm")
+        ratio = (f"{lc['tau'] / v['tau']:.3f}" if lc and "tau" in lc else "-")
+        print(f"| {r['drafter']} | {args.k} | {v['tau']:.3f} | {cell(lc, 'tau', '.3f')} | {ratio} | "
+              f"{cell(vl, 'tau', '.3f') if has_vllm else 'vLLM missing'} | {lc.get('same_text', '-') if lc else '-'} "
+              f"| {r.get('converts', 'not run')} | {v['tok_s']:.1f} | {cell(lc, 'tok_s', '.1f')} |")
+    print("\ncommands:")
+    for r in rows:
+        for c in r["commands"]:
+            print(f"  {c}")
+
+
+if __name__ == "__main__":
+    main()
