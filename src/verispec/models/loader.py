@@ -63,8 +63,10 @@ def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from verispec.models.gguf_config import complete_config
+
     meta = load_gguf_checkpoint(str(gguf_path))
-    hf_cfg = AutoConfig.for_model(**meta["config"])
+    hf_cfg = AutoConfig.for_model(**complete_config(gguf_path, meta["config"]))
     if hf_cfg.model_type not in HF_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: GGUF architecture {hf_cfg.model_type!r} is not a Llama-family decoder")
     with torch.device("meta"):
