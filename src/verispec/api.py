@@ -147,8 +147,11 @@ class LLM:
         every output's stats."""
         k = 0 if spec.method == "none" else spec.num_speculative_tokens
         cfg = ModelConfig.from_hf(read_config(resolved.directory))
+        from verispec.models.quantized import gguf_block_linears
+
         choice = resolve_path(dtype, quantization, self.device, cfg, gguf_has_int4_linears(resolved), k,
-                              cache=hub.cache_dir(), invariant_only=bool(invariant))
+                              cache=hub.cache_dir(), invariant_only=bool(invariant),
+                              gguf_blocks=gguf_block_linears(resolved.gguf))
         log.info("%s", choice.describe())
         if progress and not choice.explicit:
             print(f"verispec: {choice.describe()}", file=sys.stderr, flush=True)

@@ -166,6 +166,9 @@ DRAFT_QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 DEFAULT_DRAFT_QUANTIZATION = "q4_0"
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree
 HYBRID_METHODS = ("draft_model", *LEARNED_METHODS, *NATIVE_METHODS)  # model drafters a hybrid's model-free one precedes
+# benchmark-only methods, outside SPEC_METHODS (so never a --method choice): `synthetic`, drafts accepted at a set mean
+# length (drafters/synthetic.py), labelled lossy, refused without `benchmark_only=True` and by generate and serve
+BENCH_METHODS = ("synthetic",)
 
 
 @dataclass(frozen=True)
@@ -195,9 +198,15 @@ class SpeculativeConfig:
     # gguf-q8act target (None: DEFAULT_DRAFT_QUANTIZATION; with another target path the drafter stays float and
     # naming one is an error)
     quantization: str | None = None
+    # method synthetic: the mean tokens per verification step its drafts are accepted at (the bonus token included,
+    # 1..k + 1), and the acknowledgement that this is a lossy benchmark mode (set by the benchmarks only)
+    synthetic_tau: float | None = None
+    benchmark_only: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
+        if self.method in BENCH_METHODS or self.synthetic_tau is not None:
+            self._check_benchmark_only()
+        elif self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {SPEC_METHODS}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be an integer in 1..64")
@@ -224,6 +233,19 @@ class SpeculativeConfig:
         if self.draft_tree and (self.method not in TREE_METHODS or self.acceptance_rule != "exact"):
             raise ValueError(f"draft_tree: only the {', '.join(TREE_METHODS)} drafters propose trees so far, "
                              "verified with the exact rule")
+
+    def _check_benchmark_only(self) -> None:
+        if self.method not in BENCH_METHODS:
+            raise ValueError(f"synthetic_tau goes with method 'synthetic' only, not {self.method!r}")
+        if not self.benchmark_only:
+            raise ValueError("method 'synthetic' (synthetic acceptance: drafts copied from the target's own earlier "
+                             "output at a set mean length) is a lossy benchmark-only mode; it runs under the "
+                             "benchmarks (speculative_config['benchmark_only'] = true), never in generate or serve")
+        if self.synthetic_tau is None or not 1.0 <= self.synthetic_tau <= self.num_speculative_tokens + 1:
+            raise ValueError(f"method 'synthetic' needs synthetic_tau, the mean tokens per verification step, within "
+                             f"[1, {self.num_speculative_tokens + 1}] (k + 1); got {self.synthetic_tau!r}")
+        if self.draft_tree or self.hybrid is not None or self.acceptance_rule != "exact":
+            raise ValueError("method 'synthetic' drafts chains, alone, verified with the exact rule")
 
     def _check_hybrid(self) -> None:
         if self.hybrid not in MODEL_FREE_METHODS:

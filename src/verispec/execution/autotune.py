@@ -235,17 +235,18 @@ def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], ca
 
 def resolve_path(dtype: str, quantization: str | None, device: str, cfg: ModelConfig, gguf_int4: bool,
                  num_speculative_tokens: int = 0, cache: Path | None = None, refresh: bool = False,
-                 invariant_only: bool = False) -> PathChoice:
+                 invariant_only: bool = False, gguf_blocks: bool | None = None) -> PathChoice:
     """The weight path a model runs on. An explicit dtype (or quantization) names it; dtype="auto" measures
     the candidates for this model, device and CPU (cached per machine) and takes the cheapest expected step.
     `invariant_only` leaves out dense fp32 on CPU, whose GEMM rounds rows by batch size (execution/invariance.py
-    then checks the chosen path on its own weights)."""
+    then checks the chosen path on its own weights). `gguf_blocks`: whether the GGUF's linears are in formats
+    verispec's kernel runs (default `gguf_int4`)."""
     from verispec.execution.paths import candidates, path_for
 
     cpu = cpu_info()
     if dtype != "auto" or quantization is not None:
         explicit = path_for("bfloat16" if dtype == "auto" else dtype, quantization)
         return PathChoice(explicit, (), {}, cpu, cached=False, explicit=True)
-    paths = [p for p in candidates(device, gguf_int4) if not (invariant_only and p.name == "fp32")]
+    paths = [p for p in candidates(device, gguf_int4, gguf_blocks) if not (invariant_only and p.name == "fp32")]
     table, cached = profile_paths(cfg, device, paths, None if machine_busy() else cache, refresh)
     return choose(paths, table, typical_blocks(num_speculative_tokens), cpu, cached)

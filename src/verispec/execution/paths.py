@@ -53,11 +53,12 @@ def path_for(dtype: str, quantization: str | None) -> WeightPath:
     return PATHS[DTYPE_PATHS[dtype]]
 
 
-def candidates(device: str, gguf_int4: bool) -> list[WeightPath]:
+def candidates(device: str, gguf_int4: bool, gguf_blocks: bool | None = None) -> list[WeightPath]:
     """The paths `dtype="auto"` chooses among. CUDA: bf16 only (its tensor cores; nothing to measure). CPU: dense
-    fp32 and bf16, plus, when the checkpoint is a GGUF whose linears are Q4_0 / Q4_1, gguf-int4 (if this torch has
-    the int4 kernel) and gguf-q8act (if verispec's kernel builds here with its AVX2 body). Paths that change the
-    model (quantising a dense checkpoint) are never chosen for you."""
+    fp32 and bf16, plus gguf-int4 when the checkpoint is a GGUF whose linears are Q4_0 / Q4_1 (`gguf_int4`, if this
+    torch has the int4 kernel) and gguf-q8act when its linears are in formats verispec's kernel runs natively
+    (`gguf_blocks`, default `gguf_int4`; models/quantized.py's `gguf_block_linears`), if that kernel builds here
+    with its AVX2 body. Paths that change the model (quantising a dense checkpoint) are never chosen for you."""
     if torch.device(device).type != "cpu":
         return [PATHS["bf16"]]
     from verispec.kernels.int4 import int4_kernel_available
@@ -65,7 +66,7 @@ def candidates(device: str, gguf_int4: bool) -> list[WeightPath]:
     out = [PATHS["fp32"], PATHS["bf16"]]
     if gguf_int4 and int4_kernel_available():
         out.append(PATHS["gguf-int4"])
-    if gguf_int4:
+    if gguf_int4 if gguf_blocks is None else gguf_blocks:
         from verispec.kernels.cpu_kernels import fast_kernel_available
 
         ok, why = fast_kernel_available()

@@ -85,6 +85,19 @@ def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     return replaced
 
 
+def gguf_block_linears(gguf_path: str | os.PathLike | None) -> bool:
+    """Whether a GGUF's first layer's linears are all in formats verispec's kernel runs natively (the gguf-q8act
+    path's candidacy under dtype="auto"): any mix of them, each tensor on its own format."""
+    if gguf_path is None:
+        return False
+    reader = GGUFIndex.open(gguf_path)
+    names = [f"blk.0.{p}.weight" for parts in FUSED.values() for p in parts]
+    try:
+        return all(tensor_kind(reader, n) in FORMATS for n in names)
+    except KeyError:
+        return False
+
+
 def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
     place (a CPU model loaded from that file). Returns how many were replaced, the head included."""
