@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verispec.config import LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
+from verispec.config import BENCH_METHODS, LEARNED_METHODS, SPEC_METHODS, SpeculativeConfig
 from verispec.drafters.base import Drafter
 from verispec.sampling import SamplingParams
 
@@ -20,7 +20,7 @@ class DrafterFactory:
 
     def __init__(self, cfg: SpeculativeConfig, target=None, target_tokenizer=None, max_len: int = 4096,
                  num_slots: int = 1) -> None:
-        if cfg.method not in DRAFTERS:
+        if cfg.method not in DRAFTERS and cfg.method not in BENCH_DRAFTERS:
             raise ValueError(_unknown(cfg.method, DRAFTERS))
         self.cfg = cfg
         self.draft_model = None
@@ -30,6 +30,12 @@ class DrafterFactory:
         self.learned = None  # a trained EAGLE-3 / DFlash / DSpark drafter module, or the target's MTP layers
         self.mtp_cache = None
         self.max_len = max_len
+        self.synthetic = None  # method synthetic: the finished streams its drafts copy (drafters/synthetic.py)
+        self.vocab_size = target.cfg.vocab_size if target is not None else None
+        if cfg.method in BENCH_METHODS:
+            from verispec.drafters.synthetic import SyntheticReference
+
+            self.synthetic = SyntheticReference()
         if cfg.method in LEARNED_METHODS:
             assert target is not None
             self.learned = load_learned(cfg.method, cfg.model, target, cfg.quantization)  # type: ignore[arg-type]
@@ -82,7 +88,7 @@ class DrafterFactory:
 
     def new(self, params: SamplingParams, prompt_len: int) -> Drafter | None:
         """The drafter of one request (None for method none)."""
-        make = DRAFTERS.get(self.cfg.method)
+        make = DRAFTERS.get(self.cfg.method) or BENCH_DRAFTERS.get(self.cfg.method)
         if make is None:
             raise ValueError(_unknown(self.cfg.method, DRAFTERS))
         drafter = make(self, params, prompt_len)
@@ -152,6 +158,21 @@ DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | No
     "mtp": _mtp,  # the target checkpoint's own MTP layers
 }
 assert tuple(DRAFTERS) == SPEC_METHODS, "every speculative method needs a drafter constructor"
+
+
+def _synthetic(f: DrafterFactory, params: SamplingParams, prompt_len: int) -> Drafter:
+    from verispec.drafters.synthetic import SyntheticDrafter
+
+    assert f.synthetic is not None and f.vocab_size is not None and f.cfg.synthetic_tau is not None
+    return SyntheticDrafter(f.synthetic, f.cfg.synthetic_tau, f.cfg.num_speculative_tokens, f.vocab_size,
+                            prompt_len, seed=params.seed or 0)
+
+
+# benchmark-only method -> its per-request drafter (config.BENCH_METHODS; never a --method choice)
+BENCH_DRAFTERS: dict[str, Callable[[DrafterFactory, SamplingParams, int], Drafter | None]] = {
+    "synthetic": _synthetic,
+}
+assert tuple(BENCH_DRAFTERS) == BENCH_METHODS
 
 
 def _load_eagle3(method: str, directory, target, path: str, kind: str | None):
