@@ -421,6 +421,10 @@ class LLM:
         stats.update(req.spec.as_dict())
         stats["method"] = self.spec.method
         stats["drafter_weights"] = self.drafters.weight_format
+        if self.drafters.synthetic is not None:  # method synthetic: a benchmark-only mode, labelled lossy
+            from verispec.drafters.synthetic import LABEL
+
+            stats.update(lossy=True, synthetic_acceptance=f"{LABEL} (tau {self.spec.synthetic_tau})")
         stats.update(self.path_choice.as_dict())
         stats["kv_cache_dtype"] = self.kv_cache_dtype
         stats["batch_invariant"] = self.model.batch_invariant

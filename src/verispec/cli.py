@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from verispec.config import (DEFAULT_DRAFT_QUANTIZATION, DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES, MODEL_FREE_METHODS,
-                             QUANTIZATIONS, SPEC_METHODS)
+from verispec.config import (BENCH_METHODS, DEFAULT_DRAFT_QUANTIZATION, DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES,
+                             MODEL_FREE_METHODS, QUANTIZATIONS, SPEC_METHODS)
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -82,6 +82,9 @@ def _spec_config(args: argparse.Namespace) -> dict[str, Any] | None:
         spec["quantization"] = args.draft_quantization
     if args.no_adaptive:
         spec["adaptive"] = False
+    if spec.get("method") in BENCH_METHODS or spec.get("benchmark_only"):
+        raise ValueError(f"speculative method {spec.get('method')!r} with benchmark_only is a lossy benchmark mode "
+                         f"(synthetic acceptance); generate and serve refuse it (benchmarks/formats.py runs it)")
     return spec or None
 
 
