@@ -149,6 +149,36 @@ def tiny_vocab_model(path, seed: int, scale: float):
     return m
 
 
+def random_eagle3_head(model, out) -> None:
+    """An EAGLE-3 head with random weights for a tiny-vocabulary (V = 5) target `model`, saved to `out`: near-uniform
+    q (accepted often enough, still != p), draft ids 0..3 -> target ids 0, 1, 3, 4 (token 2 undraftable)."""
+    from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(11)
+    head = Eagle3Head(Eagle3Config.for_target(model, (0, 1), draft_vocab_size=4), model)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.1)
+        head.d2t.copy_(torch.tensor([0, 0, 1, 1]))
+        head.t2d[torch.tensor([0, 1, 3, 4])] = True
+    head.save_pretrained(out)
+
+
+def random_dspark(model, out, dspark: bool = True) -> None:
+    """A DSpark (Markov head; `dspark=False`: plain DFlash) block drafter with random weights for a tiny target
+    `model`, block size 4, saved to `out`: near-uniform q, accepted often enough, still != p."""
+    from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts
+
+    torch.manual_seed(12)
+    extra = {"dspark": True, "markov_rank": 4} if dspark else {}
+    cfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=4, target_layer_ids=(0,), **extra)
+    m = DFlashModel(cfg, TargetParts.of(model))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+    m.save_pretrained(out)
+
+
 def exact_distribution(hf, length: int = LENGTH) -> torch.Tensor:
     """P(x1 .. x_length | PROMPT) for all V^length continuations, from HF's forward, rows in continuation_index
     order."""

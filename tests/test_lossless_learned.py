@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import N, batched_counts, chi2_pvalue, exact_distribution, tiny_vocab_model
+from tests.helpers import (N, batched_counts, chi2_pvalue, exact_distribution, random_dspark,
+                           random_eagle3_head, tiny_vocab_model)
 from verispec import LLM
 from verispec.models.loader import load_model
 
@@ -23,32 +24,6 @@ def target(tmp_path_factory):
     return hf, d, model
 
 
-def _eagle3(model, out):
-    from verispec.drafters.eagle3 import Eagle3Config, Eagle3Head
-
-    torch.manual_seed(11)
-    head = Eagle3Head(Eagle3Config.for_target(model, (0, 1), draft_vocab_size=4), model)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.1)  # near-uniform q: accepted often enough, still != p
-        head.d2t.copy_(torch.tensor([0, 0, 1, 1]))  # draft ids 0..3 -> target ids 0, 1, 3, 4: token 2 undraftable
-        head.t2d[torch.tensor([0, 1, 3, 4])] = True
-    head.save_pretrained(out)
-
-
-def _dspark(model, out):
-    from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetParts
-
-    torch.manual_seed(12)
-    cfg = DFlashConfig.for_target(model.cfg, num_layers=1, block_size=4, target_layer_ids=(0,), dspark=True,
-                                  markov_rank=4)
-    m = DFlashModel(cfg, TargetParts.of(model))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.1)  # near-uniform q: accepted often enough, still != p
-    m.save_pretrained(out)
-
-
 @pytest.mark.parametrize("method, tree", [("eagle3", False), ("dspark", False), ("eagle3", True), ("dspark", True)])
 def test_learned_drafter_sampling_matches_exact_distribution(target, tmp_path, method, tree, monkeypatch):
     """Chains, and trees whose children are drawn without replacement. Trees over 4-token continuations: the first
@@ -60,7 +35,7 @@ def test_learned_drafter_sampling_matches_exact_distribution(target, tmp_path, m
     shapes, real = [], core.verify_tree
     monkeypatch.setattr(core, "verify_tree", lambda t, *a: shapes.append(
         (t.probs is not None, len(set(t.parents)) < len(t.parents))) or real(t, *a))
-    (_eagle3 if method == "eagle3" else _dspark)(model, tmp_path / method)
+    (random_eagle3_head if method == "eagle3" else random_dspark)(model, tmp_path / method)
     spec = {"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3 if tree else 2,
             "adaptive": False, "draft_tree": tree}
     llm = LLM(str(d), dtype="float32", device="cpu", speculative_config=spec, max_num_seqs=16, scheduler="static",

@@ -12,6 +12,7 @@ import torch
 from tests.helpers import chi2_pvalue
 from verispec.drafters import tree_growth
 from verispec.drafters.tree_growth import Growth, draw_distinct
+from verispec.sampling.coupled import DraftSampler
 from verispec.execution import tree_verify
 from verispec.models.tree import TreeDraft, ancestor_mask, depths, path_to
 from verispec.execution.tree_verify import verify_tree_greedy, verify_tree_sampled
@@ -107,10 +108,10 @@ def grown_tree(last: int, g: torch.Generator) -> TreeDraft:
     the best newest node expanded, then the 3 best of the 8 candidate nodes by rank score. Its shape depends on the
     draws (a parent's token picks the grandchildren's Q row), so it tests the rank scoring as well as the rows."""
     tree = Growth(0, 1)
-    tree.expand([-1], Q[last].log()[None], q=Q[last][None], generator=g)
+    tree.expand([-1], Q[last].log()[None], q=Q[last][None], sampler=DraftSampler(g))
     front = tree.frontier()
     rows = [tree.token[i] for i in front]
-    tree.expand(front, Q[rows].log(), q=Q[rows], generator=g)
+    tree.expand(front, Q[rows].log(), q=Q[rows], sampler=DraftSampler(g))
     return tree.best(3)
 
 
@@ -204,8 +205,8 @@ def test_siblings_drawn_without_replacement_follow_the_closed_form():
 def test_negative_control_grown_siblings_taken_as_iid_is_rejected(monkeypatch):
     """Without-replacement siblings verified as if each were drawn from the whole of Q (the rows left
     unrestricted): the later siblings are over-accepted, and the chi-square must see it."""
-    def as_iid(q, m, generator):
-        toks, rows = draw_distinct(q, m, generator)
+    def as_iid(q, m, generator, cdf=None):
+        toks, rows = draw_distinct(q, m, generator, cdf)
         return toks, q.expand(len(toks), -1)
 
     monkeypatch.setattr(tree_growth, "draw_distinct", as_iid)
@@ -218,9 +219,9 @@ def test_negative_control_scoring_a_draw_by_its_own_probability_is_rejected(monk
     are verified then depends on what they drew, and the verified distribution moves."""
     real = Growth.expand
 
-    def own_scores(self, parents, logp, to_ids=None, q=None, generator=None):
+    def own_scores(self, parents, logp, to_ids=None, q=None, sampler=None):
         n = len(self.token)
-        real(self, parents, logp, to_ids, q, generator)
+        real(self, parents, logp, to_ids, q, sampler)
         for i in range(n, len(self.token)):
             base = 0.0 if self.parent[i] < 0 else self.score[self.parent[i]]
             self.score[i] = base + float(logp[parents.index(self.parent[i]), self.token[i]])

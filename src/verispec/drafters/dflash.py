@@ -42,8 +42,8 @@ from verispec.drafters.dflash_model import DFlashConfig, DFlashModel, TargetPart
 from verispec.execution.features import own
 from verispec.drafters.dspark_head import calibrated_confidence
 from verispec.drafters.path_selector import walk
-from verispec.drafters.tree_growth import draw_distinct
-from verispec.sampling import SamplingParams, argmax_rows, sample_index, sample_rows, target_probs
+from verispec.drafters.tree_growth import draw_children
+from verispec.sampling import SamplingParams, argmax_rows, target_probs
 from verispec.models.tree import TreeDraft
 
 TREE_TOPK = 4  # children considered per expanded node
@@ -79,7 +79,7 @@ class DFlashDrafter:
         self._pending_n = 0
         self._k: list[torch.Tensor] = []  # per layer [cap, K, hd]
         self._v: list[torch.Tensor] = []
-        self.generator = None if params.greedy else params.make_generator(self.device, stream="dflash")
+        self.sampler = params.draft_sampler(self.device, stream="dflash")  # coupled when seeded
         self.released = False
 
     # ---- state -------------------------------------------------------------------------------------------
@@ -203,27 +203,28 @@ class DFlashDrafter:
             return Draft(toks, None, calibrated_confidence(conf, self.cfg.confidence_temperatures).tolist())
         U = self.model.logits(h[1:])  # [B - 1, V]
         if self.model.selector is not None:
-            return self._select(U, h, int(context[-1]), g)
+            return self._select(U, h, int(context[-1]), g, n + 1)
         if markov is None:
             q = target_probs(U[:g], p.temperature, p.top_k, p.top_p)  # [g, V]
-            return Draft(sample_rows(q, self.generator), q)
+            return Draft(self.sampler.rows(q, n + 1), q)
         qs: list[torch.Tensor] = []
 
-        def choose(z: torch.Tensor, _k: int) -> torch.Tensor:  # z: [1, V] -> [1]
+        def choose(z: torch.Tensor, j: int) -> torch.Tensor:  # z: [1, V] -> [1], block position j
             qs.append(target_probs(z, p.temperature, p.top_k, p.top_p)[0])
-            return torch.tensor([sample_index(qs[-1], self.generator)], device=z.device)
+            return torch.tensor([self.sampler.index(qs[-1], n + 1 + j)], device=z.device)
 
         anchor = torch.tensor([int(context[-1])], device=self.device)
         toks, _, conf = self.model.markov.decode(U[None, :g], h[None, 1 : g + 1], anchor, choose)
         c = calibrated_confidence(conf[0], self.cfg.confidence_temperatures)  # [g]
         return Draft(toks[0].tolist(), torch.stack(qs) if qs else None, c.tolist())
 
-    def _select(self, U: torch.Tensor, h: torch.Tensor, anchor: int, g: int) -> Draft:
+    def _select(self, U: torch.Tensor, h: torch.Tensor, anchor: int, g: int, position: int) -> Draft:
         """DFlash 2: the path selector walks the block's top-m candidates (drafters/path_selector.py); sampled,
-        each position's distribution over its candidates is returned scattered over the vocabulary."""
+        each position's distribution over its candidates is returned scattered over the vocabulary. position: the
+        first drafted token's absolute position."""
         sel, p, embed = self.model.selector, self.params, self.model.parts.embed
         lat = sel.lattice(U[:g], h[1 : g + 1], embed)
-        tokens, dists = walk(lat, sel, embed, anchor, g, 0.0 if p.greedy else p.temperature, self.generator)
+        tokens, dists = walk(lat, sel, embed, anchor, g, 0.0 if p.greedy else p.temperature, self.sampler, position)
         if p.greedy:
             return Draft(tokens)
         probs = torch.zeros(g, U.shape[-1], device=U.device)
@@ -275,7 +276,8 @@ class DFlashDrafter:
                 z = U[d - 1].float() + self.model.markov.bias(torch.tensor(prev, device=self.device)).float()
                 vals, idx = torch.log_softmax(z, -1).topk(TREE_TOPK)
                 q = target_probs(z[None], p.temperature, p.top_k, p.top_p)[0] if sampled else None
-            toks, qs = (idx.tolist(), None) if q is None else draw_distinct(q, TREE_TOPK, self.generator, cdf)
+            toks, qs = (idx.tolist(), None) if q is None else \
+                draw_children(q, TREE_TOPK, self.sampler, n + d, cdf)
             for j, (v, t) in enumerate(zip(vals.tolist(), toks)):
                 heapq.heappush(heap, (-(score + v), d, order, node, t))
                 if qs is not None:

@@ -14,7 +14,7 @@ import torch
 from verispec.check.state import StateMismatch, check_kv
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
 from verispec.drafters.tree_growth import Growth, frontier_width
-from verispec.sampling import SamplingParams, sample_index, target_probs
+from verispec.sampling import SamplingParams, target_probs
 from verispec.models.llama import LlamaModel, Segment
 from verispec.models.tree import TreeDraft
 from verispec.state.kv_cache import KVCache
@@ -50,7 +50,7 @@ class DraftModelDrafter:
         self.model, self.cache, self.params = model, cache, params
         self.slot = cache.allocate()
         self.n_cached = 0
-        self.generator = None if params.greedy else params.make_generator(model.device, stream="draft_model")
+        self.sampler = params.draft_sampler(model.device, stream="draft_model")  # coupled when seeded
         self._ctx_len = 0
         self._fed_drafts = 0
 
@@ -78,7 +78,7 @@ class DraftModelDrafter:
                 t, conf = greedy_pick(logits)
             else:
                 q = target_probs(logits[None], self.params.temperature, self.params.top_k, self.params.top_p)[0]
-                t = sample_index(q, self.generator)
+                t = self.sampler.index(q, len(context) + i)
                 probs.append(q)
                 conf = drafted_confidence(logits, t, q)
             tokens.append(t)
@@ -103,7 +103,7 @@ class DraftModelDrafter:
         """width: nodes expanded per depth (None: frontier_width(budget))."""
         assert self.n_cached < len(context), "the draft cache is ahead of the request"
         depth = min(depth, budget, self.cache.max_len - len(context) - 1)
-        tree = Growth(0, frontier_width(budget) if width is None else width)
+        tree = Growth(0, frontier_width(budget) if width is None else width, origin=len(context))
         if depth <= 0:
             return tree
         feed = list(context[self.n_cached :])  # the committed tokens the draft cache lacks, the root last
@@ -134,7 +134,7 @@ class DraftModelDrafter:
         draws its tokens."""
         p = self.params
         q = None if p.greedy else target_probs(logits, p.temperature, p.top_k, p.top_p)
-        tree.expand(parents, torch.log_softmax(logits.float(), -1), None, q, self.generator)
+        tree.expand(parents, torch.log_softmax(logits.float(), -1), None, q, self.sampler)
 
     def observe(self, accepted: int) -> None:
         """Keep the cached drafts the target accepted; the rest of the draft KV becomes invisible."""

@@ -30,7 +30,7 @@ from verispec.config import DEFAULT_DRAFT_QUANTIZATION
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
 from verispec.execution.features import own
 from verispec.drafters.tree_growth import Growth, frontier_width
-from verispec.sampling import SamplingParams, sample_index, target_probs
+from verispec.sampling import SamplingParams, target_probs
 from verispec.models.llama import LlamaModel
 from verispec.models.llama import rms_norm as rms
 from verispec.models.rope import apply_rope
@@ -242,7 +242,7 @@ class Eagle3Drafter:
         self.k = torch.empty(max_len + 1, c.num_kv_heads, c.head_dim, device=dev, dtype=dt)
         self.v = torch.empty_like(self.k)
         self.n_kv = 0  # head K/V written for positions 0 .. n_kv-1 (committed)
-        self.generator = None if params.greedy else params.make_generator(dev, stream="eagle3")
+        self.sampler = params.draft_sampler(dev, stream="eagle3")  # coupled when seeded
         # draft id -> target id as a list: a greedy pick indexes it (a tensor index costs ~9 us per token)
         self._target_id = head.to_target_ids(torch.arange(c.draft_vocab_size, device=dev)).tolist()
 
@@ -279,14 +279,15 @@ class Eagle3Drafter:
         self.k[start : start + n], self.v[start : start + n] = k, v
         return self.head.post(feat, attend(q, self.k[: start + n], self.v[: start + n], blocked))
 
-    def _pick(self, draft_logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """[Vd] -> (target token id, q over the target vocabulary or None when greedy, the token's confidence)."""
+    def _pick(self, draft_logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
+        """[Vd] -> (target token id, q over the target vocabulary or None when greedy, the token's confidence);
+        position: the token's absolute position (a seeded request's coupled draw)."""
         if self.params.greedy:
             j, conf = greedy_pick(draft_logits)
             return self._target_id[j], None, conf
         p = self.params
         q = target_probs(self.head.full_logits(draft_logits[None]), p.temperature, p.top_k, p.top_p)[0]
-        t = sample_index(q, self.generator)
+        t = self.sampler.index(q, position)
         return t, q, drafted_confidence(draft_logits, t, q)
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
@@ -313,7 +314,7 @@ class Eagle3Drafter:
         tokens, probs, confs, survival = [], [], [], 1.0
         pos = self.n_feat - 1
         for i in range(k):
-            t, q, c = self._pick(self.head.logits(h)[0])
+            t, q, c = self._pick(self.head.logits(h)[0], len(context) + i)
             tokens.append(t)
             confs.append(c)
             survival *= c
@@ -343,9 +344,9 @@ class Eagle3Drafter:
         room = self.k.shape[0] - len(context)  # scratch K/V rows past the committed ones (one node per row)
         depth = min(depth, budget, room, 1 + room // max(1, width))
         if depth <= 0 or self.n_feat == 0:
-            return Growth(self.n_kv, width)
+            return Growth(self.n_kv, width, origin=len(context))
         h = self._catch_up(context)  # [1, d]
-        tree = Growth(self.n_kv, width)  # scratch rows start after the rows _catch_up committed
+        tree = Growth(self.n_kv, width, origin=len(context))  # scratch rows start after the rows _catch_up committed
         self._expand(tree, [-1], self.head.logits(h))
         for _ in range(depth - 1):
             frontier = tree.frontier()
@@ -361,7 +362,7 @@ class Eagle3Drafter:
         from q as the chain's tokens are drawn (`_pick`)."""
         p = self.params
         q = None if p.greedy else target_probs(self.head.full_logits(logits), p.temperature, p.top_k, p.top_p)
-        tree.expand(parents, torch.log_softmax(logits.float(), -1), self.head.to_target_ids, q, self.generator)
+        tree.expand(parents, torch.log_softmax(logits.float(), -1), self.head.to_target_ids, q, self.sampler)
 
     def _run_nodes(self, tree: Growth, nodes: list[int], h_parent: torch.Tensor) -> torch.Tensor:
         """Run tree nodes (all of one depth) as one batch: K/V to the scratch rows after the committed ones, in

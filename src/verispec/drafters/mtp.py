@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.base import Draft, drafted_confidence, greedy_pick
-from verispec.sampling import SamplingParams, sample_index, target_probs
+from verispec.sampling import SamplingParams, target_probs
 from verispec.models.hf_weights import load_layer
 from verispec.models.llama import Layer, LlamaModel, Segment, attention_context, rms_norm
 from verispec.models.mtp_layout import MTPLayout, MTPLayoutError, block_intermediate, detect, problems
@@ -187,7 +187,7 @@ class MTPDrafter:
         t = head.target
         self.waiting = torch.empty(0, t.cfg.hidden_size, device=t.device, dtype=t.dtype)  # [n_feat - n_kv, d]
         self.n_feat = 0
-        self.generator = None if params.greedy else params.make_generator(t.device, stream="mtp")
+        self.sampler = params.draft_sampler(t.device, stream="mtp")  # coupled when seeded
 
     @property
     def n_kv(self) -> int:
@@ -212,14 +212,15 @@ class MTPDrafter:
         self.waiting = self.waiting[:0]
         return o[-1:]
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """[V] -> (token, q or None when greedy, the token's confidence)."""
+    def _pick(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
+        """[V] -> (token, q or None when greedy, the token's confidence); position: the token's absolute position
+        (a seeded request's coupled draw)."""
         if self.params.greedy:
             t, conf = greedy_pick(logits)
             return t, None, conf
         p = self.params
         q = target_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
-        t = sample_index(q, self.generator)
+        t = self.sampler.index(q, position)
         return t, q, drafted_confidence(logits, t, q)
 
     @torch.inference_mode()
@@ -234,7 +235,7 @@ class MTPDrafter:
         committed, tokens, probs, confs, survival = self.n_kv, [], [], [], 1.0
         try:
             for s in range(k):
-                t, q, conf = self._pick(logits[0])
+                t, q, conf = self._pick(logits[0], len(context) + s)
                 tokens.append(t)
                 confs.append(conf)
                 survival *= confs[-1]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.sampling import sample_index
+from verispec.sampling.coupled import DraftSampler
 
 FILES = ("path_selector.json", "path_selector.safetensors")  # stored next to the DFlash checkpoint's own files
 
@@ -134,11 +134,12 @@ class PathSelector(nn.Module):
 
 
 def walk(lat: Lattice, selector: PathSelector, embed: torch.Tensor, anchor: int, g: int,
-         temperature: float = 0.0, generator: torch.Generator | None = None
+         temperature: float = 0.0, sampler: DraftSampler | None = None, position: int = 0
          ) -> tuple[list[int], list[torch.Tensor]]:
     """Left to right over g positions: greedy (temperature 0) the best candidate given the previous choice, else a
     draw from softmax(step / temperature) over the m candidates. Returns the tokens and, when sampling, each
-    position's distribution over the m candidates [m]."""
+    position's distribution over the m candidates [m]. sampler: the request's draws (a seeded request's coupled to
+    the noise of the candidates' token ids at absolute position `position` + k)."""
     tokens: list[int] = []
     dists: list[torch.Tensor] = []
     prev = anchor
@@ -148,7 +149,8 @@ def walk(lat: Lattice, selector: PathSelector, embed: torch.Tensor, anchor: int,
             j = int(z.argmax())
         else:
             q = torch.softmax(z / temperature, -1)
-            j = sample_index(q, generator)
+            assert sampler is not None, "sampling needs the request's draft sampler"
+            j = sampler.among(q, lat.cand[k], position + k)
             dists.append(q)
         prev = int(lat.cand[k, j])
         tokens.append(prev)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from verispec.models.tree import TreeDraft
+from verispec.sampling.coupled import DraftSampler, race_top
 
 TREE_TOPK = 4  # children considered per expanded node (EAGLE-2's top-k)
 NODES_PER_WIDTH = 16  # budget nodes per node expanded at each depth
@@ -60,16 +61,33 @@ def draw_distinct(q: torch.Tensor, m: int, generator: torch.Generator | None, cd
         tokens.append(t)
         lo = float(cdf[t - 1]) if t else 0.0
         drawn = sorted(drawn + [(lo, float(cdf[t]) - lo)])
+    return tokens, _without_earlier(q, tokens)
+
+
+def _without_earlier(q: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """[m', V]: row j is q [V] without tokens[:j], renormalised (the distribution the j-th distinct draw came from)."""
     if not tokens:
-        return tokens, q.new_zeros((0, q.shape[-1]))
-    rows = q.expand(len(tokens), -1).clone()  # [m', V]: row j is q without the tokens drawn before it
+        return q.new_zeros((0, q.shape[-1]))
+    rows = q.expand(len(tokens), -1).clone()  # [m', V]
     for j in range(1, len(tokens)):
         rows[j:, tokens[j - 1]] = 0.0
-    return tokens, rows / rows.sum(-1, keepdim=True)
+    return rows / rows.sum(-1, keepdim=True)
+
+
+def draw_children(q: torch.Tensor, m: int, sampler: DraftSampler, position: int, cdf: torch.Tensor | None = None
+                  ) -> tuple[list[int], torch.Tensor]:
+    """A sampled node's up to m children at absolute `position` and the rows they were drawn from: coupled (a seeded
+    request) the top-m of q / E over the position's noise (Gumbel top-k, sampling/coupled.py: the first child is the
+    coupled draw, together a draw without replacement from q), else `draw_distinct` from the drafter's stream."""
+    if not sampler.coupled:
+        return draw_distinct(q, m, sampler.generator, cdf)
+    tokens = race_top(q, m, sampler.seed, position)  # type: ignore[arg-type]
+    return tokens, _without_earlier(q, tokens)
 
 
 class Growth:
-    def __init__(self, first_row: int, width: int) -> None:
+    def __init__(self, first_row: int, width: int, origin: int = 0) -> None:
+        self.origin = origin  # the absolute position of the root's children (a depth-d node's: origin + d - 1)
         self.token: list[int] = []
         self.parent: list[int] = []
         self.depth: list[int] = []
@@ -82,16 +100,19 @@ class Growth:
 
     def expand(self, parents: list[int], logp: torch.Tensor,
                to_ids: Callable[[torch.Tensor], torch.Tensor] | None = None, q: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> None:
+               sampler: DraftSampler | None = None) -> None:
         """TREE_TOPK children below each of `parents` (-1: the root), scored by the top-k of each row of `logp`
         ([len(parents), V'] log-probabilities; `to_ids` maps its indices to token ids, a reduced draft vocabulary).
         Greedy (q None) the children are those top-k tokens. Sampled, q [len(parents), V] is what each parent's
-        children are drawn from (`draw_distinct`), the j-th drawn scored by the j-th largest of logp's row."""
+        children are drawn from by `sampler` (`draw_children`), the j-th drawn scored by the j-th largest of logp's
+        row."""
         vals, idx = logp.topk(min(TREE_TOPK, logp.shape[-1]), dim=-1)  # [w, k]
         if q is None:
             draws = [(toks, None) for toks in (idx if to_ids is None else to_ids(idx)).tolist()]
         else:
-            draws = [draw_distinct(row, vals.shape[-1], generator) for row in q]
+            assert sampler is not None, "sampled children need the request's draft sampler"
+            draws = [draw_children(row, vals.shape[-1], sampler, self.origin + (0 if par < 0 else self.depth[par]))
+                     for par, row in zip(parents, q)]
         for parent, row_vals, (row_toks, rows) in zip(parents, vals.tolist(), draws):
             base = 0.0 if parent < 0 else self.score[parent]
             d = 1 if parent < 0 else self.depth[parent] + 1

@@ -22,17 +22,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
 from verispec.engine.admission import RequestTooLong, admission_blocks, check_room, prefix_pending, step_blocks
 from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
+from verispec.engine import constrain
 from verispec.engine.draft_timing import DraftTiming
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, drafter_traits, model_side, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
 from verispec.execution.hidden_states import check_layers, record_hidden_states, record_layers
 from verispec.sampling.logprobs import record_logprobs
+from verispec.sampling.processor import ProcessorFactory, needs_processor
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
 from verispec.execution.tree_verify import verify_tree
 from verispec.execution.verify import EXACT, AcceptanceConfig, Verdict, verify
@@ -50,9 +53,9 @@ StateCheck = Callable[[Request, "Drafter | None"], None]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 8  # requests decoding at once (= cache slots)
-    max_num_batched_tokens: int = 512  # tokens in one forward: decode blocks + prefill chunks
-    num_speculative_tokens: int = 4  # K, the most draft tokens per request and step
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # requests decoding at once (= cache slots)
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens in one forward: decode blocks + prefill chunks
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # K, the most draft tokens per request and step
     draft_tree: bool | str = False  # drafters that can propose trees of K nodes (depth <= K) do; "auto": per step
     probe_share: float = PROBE_SHARE  # a dear drafter's probes: at most this share of the plain steps' time
 
@@ -73,7 +76,9 @@ class Engine:
         rule: AcceptanceConfig = EXACT,
         check_state: StateCheck | None = None,
         detokenize: Detokenize | None = None,  # output ids -> text, for stop strings (as the final text decodes)
+        processors: ProcessorFactory | None = None,  # structured outputs and sampling controls (engine/constrain.py)
     ) -> None:
+        self.processors = processors
         assert len(cache.slots) >= config.max_num_seqs, "the cache needs one slot per running request"
         self.detokenize = detokenize
         self.model, self.cache, self.drafters, self.policy = model, cache, drafters, policy
@@ -102,6 +107,10 @@ class Engine:
             raise ValueError("stop strings need the model's tokenizer to decode the output, and this engine has none "
                              "(a checkpoint without tokenizer files); use stop_token_ids instead")
         check_layers(req, self.model.cfg.num_layers)
+        if needs_processor(req.params):
+            if self.processors is None:
+                raise ValueError("structured outputs and sampling controls need an engine built with processors")
+            self.processors.validate(req.params)
         check_room(req, self.cache)
 
     def abort(self, request_id: str) -> bool:
@@ -202,7 +211,7 @@ class Engine:
         cands = [Candidate(k, lv.shape_estimator, lv.probe, lv.confidences and not lv.tree_now, lv.one_pass,
                            lv.stops_early and not lv.tree_now) for lv, k in zip(spec, limits)]
         lengths, floors = self.policy.draft_lengths(cands, base_tokens), self.policy.survival_floors(cands, base_tokens)
-        proposals = [lv.propose(k, f) for lv, k, f in zip(spec, lengths, floors)]
+        proposals = [constrain.propose(lv, k, f, lim) for lv, k, f, lim in zip(spec, lengths, floors, limits)]
         if not any(d.tokens for d in proposals):  # speculation off this step: nothing for the policy to cut
             return budget
         keep = self.policy.verify_lengths(cands, proposals, base_tokens)
@@ -252,16 +261,19 @@ class Engine:
         d = lv.draft
         t_verify = time.perf_counter()
         rows = None  # a tree's: the block rows of the root and the accepted path (KV kept, logits emitted from)
+        position = len(lv.req.all_ids)  # of the token the block's first row predicts (seeded noise is keyed by it)
+        logits = constrain.process(lv, out.logits(block))  # the grammar's mask and the controls, row by row
         if d.parents is not None and d.tokens:
-            tv = verify_tree(TreeDraft(tuple(d.tokens), d.parents, d.probs), out.logits(block), lv.req.params,
-                             lv.generator)
+            tv = verify_tree(TreeDraft(tuple(d.tokens), d.parents, d.probs), logits, lv.req.params,
+                             lv.generator, position)
             verdict, rows = Verdict(tv.accepted, tv.tokens), [0] + [1 + n for n in tv.path]
         else:
-            verdict = verify(d.tokens, d.probs, out.logits(block), lv.req.params, lv.generator, self.rule)
+            verdict = verify(d.tokens, d.probs, logits, lv.req.params, lv.generator, self.rule, position)
         t_state = time.perf_counter()
         self._commit(lv, verdict, out, block, rows)
         first = not lv.req.output_ids
         kept = lv.req.append(verdict.tokens, self.eos_ids)
+        constrain.commit(lv, kept)
         record_logprobs(lv.req, out, block, kept, rows)  # only when the request asked for logprobs
         if lv.stops is not None and kept:
             kept = self._stop_strings(lv, kept)
@@ -271,6 +283,7 @@ class Engine:
             lv.on_tokens(lv.req, kept)
         if self.check_state is not None and not lv.req.finished:
             self.check_state(lv.req, lv.drafter)
+            constrain.check_state(lv, self.processors)
 
     def _stop_strings(self, lv: LiveRequest, kept: list[int]) -> list[int]:
         """A stop string in the text, possibly ending inside this step's accepted block: the output ends with the
@@ -304,7 +317,7 @@ class Engine:
                  state_s: float) -> None:
         """The acceptance estimate, the probe schedule, per-request and engine-wide counters."""
         g = len(lv.draft.tokens)
-        if lv.drafter is not None:
+        if constrain.learns(lv):
             lv.learn(verdict.accepted, verdict.tokens[0], timing.forward_s)
         lv.req.spec.record(g, verdict.accepted, draft_s=lv.draft_s, forward_s=timing.forward_s, verify_s=verify_s,
                            sched_s=timing.sched_s, state_s=state_s)
@@ -379,6 +392,8 @@ class Engine:
                                other=model_side(drafter, self._model_timing, self.config.probe_share))
             req.spec.hybrid = live.other is not None
             req.stats.queue_s = time.perf_counter() - req.start_time
+            if self.processors is not None:
+                live.proc = self.processors.new(p, req.prompt_ids)
             if p.stop:  # check_fits saw to a detokenize
                 live.stops = StopMatcher(p.stop, p.include_stop_str_in_output, self.detokenize)  # type: ignore
         self.running.append(live)

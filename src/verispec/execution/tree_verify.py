@@ -14,6 +14,10 @@ root's children and p_{1+i} for node i's. Verification walks down from the root:
 The sampled walk keeps the target's distribution exactly (SpecInfer's multi-step speculative sampling; without
 replacement, Recursive Speculative Decoding's; the point-mass case is the same rule with q one-hot). A path of n
 nodes emits n + 1 tokens.
+
+  seeded   - (a seeded request) at the current node of depth d, the target's token is the race token of absolute
+             position `position` + d (sampling/coupled.py); move to the child with that token, or emit it where
+             no child has it. The output is the one plain seeded decoding gives, whatever the tree held.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.sampling.coupled import race_index
 from verispec.execution.verify import residual
 from verispec.models.tree import TreeDraft, children
 
@@ -73,13 +78,33 @@ def verify_tree_sampled(tree: TreeDraft, p: torch.Tensor, generator: torch.Gener
             return TreeVerdict(path, [tree.tokens[c] for c in path] + [extra])
 
 
+def verify_tree_seeded(tree: TreeDraft, p: torch.Tensor, seed: int, position: int) -> TreeVerdict:
+    """p: [N + 1, V] target distributions per query row; the root's row predicts absolute position `position`.
+    Follows the children whose token is the race token of their position (the first such sibling)."""
+    kids = children(tree.parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        x = race_index(p[row], seed, position + len(path))
+        nxt = next((c for c in kids[row] if tree.tokens[c] == x), None)
+        if nxt is None:
+            return TreeVerdict(path, [tree.tokens[c] for c in path] + [x])
+        path.append(nxt)
+        row = nxt + 1
+
+
 def verify_tree(tree: TreeDraft, logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> TreeVerdict:
-    """One request's verdict. logits: [N + 1, V] the target's raw logits over [root, nodes]. Greedy compares with
-    the argmax of the raw logits; sampling with the request's processed distribution (what plain decoding draws
-    from)."""
+                generator: torch.Generator | None, position: int | None = None) -> TreeVerdict:
+    """One request's verdict. logits: [N + 1, V] the target's raw logits over [root, nodes]; position: the absolute
+    position of the token the root's row predicts. Greedy compares with the argmax of the raw logits; sampling with
+    the request's processed distribution (what plain decoding draws from): seeded by the race, else SpecInfer's
+    walk with the request's generator."""
     if params.greedy:
         return verify_tree_greedy(tree, logits)
-    assert generator is not None, "a sampled request has its own generator"
     p = target_probs(logits, params.temperature, params.top_k, params.top_p)  # [N + 1, V]
+    if params.seed is not None:
+        if position is None:
+            raise ValueError("a seeded request's verdict needs the position of the token it samples")
+        return verify_tree_seeded(tree, p, params.seed, position)
+    assert generator is not None, "a sampled request has its own generator"
     return verify_tree_sampled(tree, p, generator)

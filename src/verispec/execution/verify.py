@@ -9,6 +9,12 @@ draft position k, p_{g+1} the one after the whole draft.
   bonus     - when all g are accepted, a token drawn from p_{g+1}.
 Every verdict therefore emits n + 1 tokens. The exact rules keep the target's output distribution; the relaxed
 ones (`threshold`, `typical`) do not, and every result made with them is labelled lossy.
+
+Two exact rules. A seeded request (under the exact rule) is verified by the race (`verify_seeded`): the target's
+token at each position is argmax p / E over that position's noise (sampling/coupled.py), a draft token is accepted
+iff it equals it, and the first one that does not is replaced by it; the output is then the same whatever was
+drafted (seeded speculative output == seeded plain output). An unseeded request keeps Leviathan / Chen
+(`verify_sampled`, acceptance 1 - TV(p, q) for a draft drawn from q), as do the relaxed rules.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from verispec.execution.drift import lossy_drift
 from verispec.sampling import SamplingParams, argmax_rows, sample_index, target_probs
+from verispec.sampling.coupled import race_index
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,19 @@ def verify_sampled(
     return Verdict(n, draft[:n].tolist() + [extra], *drift)
 
 
+def verify_seeded(draft: Sequence[int], p: torch.Tensor, seed: int, position: int) -> Verdict:
+    """draft: [g]; p: [g + 1, V] target distributions, row k for absolute position `position` + k. Accept while the
+    draft token is the race token of its position; then emit the race token of the first position not accepted.
+    Draws only the noise of the positions it reads (n + 1), each keyed by (seed, position), never by the draft."""
+    d = list(draft)
+    n = 0
+    while True:
+        x = race_index(p[n], seed, position + n)
+        if n == len(d) or d[n] != x:
+            return Verdict(n, d[:n] + [x])
+        n += 1
+
+
 def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
     """p, q: [V] -> norm(max(0, p - q)); with q one-hot at x: p with x removed, renormalised."""
     if q is None:
@@ -126,15 +146,22 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
     rule: AcceptanceConfig = EXACT,
+    position: int | None = None,
 ) -> Verdict:
-    """One request's verdict. draft: [g]; q: [g, V] or None; logits: [g + 1, V] the target's raw logits.
+    """One request's verdict. draft: [g]; q: [g, V] or None; logits: [g + 1, V] the target's raw logits; position:
+    the absolute position (index in prompt + output) of the token logits row 0 predicts.
 
     Greedy compares with the argmax of the raw logits; sampling builds the request's processed distribution
-    (the same `target_probs` plain decoding samples from) and applies `rule`.
+    (the same `target_probs` plain decoding samples from): a seeded request under the exact rule by the race
+    (`verify_seeded`), otherwise by `rule` with the request's generator.
     """
     x = torch.tensor(list(draft), dtype=torch.long)  # [g]
     if params.greedy:
         return verify_greedy(x, logits)
-    assert generator is not None, "a sampled request has its own generator"
     p = target_probs(logits, params.temperature, params.top_k, params.top_p)  # [g + 1, V]
+    if params.seed is not None and rule.rule == "exact":
+        if position is None:
+            raise ValueError("a seeded request's verdict needs the position of the token it samples")
+        return verify_seeded(draft, p, params.seed, position)
+    assert generator is not None, "a sampled request has its own generator"
     return verify_sampled(x, q, p, generator, rule)

@@ -1,15 +1,22 @@
 """Sampling parameters (vLLM's names), the seeded generators of a request's random streams, and the pure function
 that turns logits into the distribution tokens are drawn from.
 
-The same `target_probs` is used by plain decoding and, later, by speculative verification, so both sample from
-exactly the same processed distribution (temperature, then top-k, then top-p).
+The same `target_probs` is used by plain decoding and by speculative verification, so both sample from exactly the
+same processed distribution (temperature, then top-k, then top-p). A seeded request's tokens are drawn by the
+exponential race over per-position noise (`coupled.py`), so they do not depend on speculation; an unseeded
+request's by `sample_rows` from its generator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from verispec.sampling.coupled import DraftSampler
 
 
 GREEDY_EPS = 1e-5
@@ -32,6 +39,15 @@ class SamplingParams:
     # norm) at every position of prompt + output but the last, as the forwards computed it (SGLang's
     # return_hidden_states, per layer): RequestOutput.hidden_states; the self-distillation data of the drafters
     return_hidden_states: tuple[int, ...] = field(default=())
+    # vLLM's controls on the target's logits (sampling/controls.py), applied per position under speculation too
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = field(default=())
+    # vLLM's StructuredOutputsParams (or a dict of its fields): json / regex / choice / grammar / json_object
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -62,6 +78,14 @@ class SamplingParams:
             raise ValueError("return_hidden_states takes the target layer indices whose entering hidden state to "
                              f"return (a list of integers >= 0), got {layers!r}")
         object.__setattr__(self, "return_hidden_states", tuple(sorted(set(layers))))
+        from verispec.sampling.controls import check_controls
+        from verispec.sampling.grammar import StructuredOutputsParams
+
+        bias, words = check_controls(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                                     self.logit_bias, self.min_tokens, self.bad_words)
+        object.__setattr__(self, "logit_bias", bias or None)
+        object.__setattr__(self, "bad_words", words)
+        object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_any(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +104,15 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed + GENERATOR_STREAMS[stream])
         return g
+
+    def draft_sampler(self, device: torch.device | str, stream: str) -> "DraftSampler":
+        """A sampling drafter's draws (None generator when greedy): coupled to the target's position noise when the
+        request is seeded (and `coupled.COUPLE_DRAFTS`), else from the drafter's own stream."""
+        from verispec.sampling import coupled
+
+        gen = None if self.greedy else self.make_generator(device, stream)
+        couple = gen is not None and self.seed is not None and coupled.COUPLE_DRAFTS
+        return coupled.DraftSampler(gen, self.seed if couple else None)
 
 
 # The offset of each sampler's stream from the request's seed: the target's sampler and verifier, and each drafter
