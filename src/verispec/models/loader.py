@@ -101,6 +101,8 @@ def complete_hf_dir(directory: Path) -> None:
     from transformers import GenerationConfig
 
     cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        return
     raw = json.loads(cfg_path.read_text())
     if not raw.get("architectures") and raw.get("model_type") in HF_ARCHITECTURES:
         raw["architectures"] = [HF_ARCHITECTURES[raw["model_type"]]]
