@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from verispec.server.bounds import (MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
+                                    MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 from verispec.server.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
-from verispec.server.protocol import (MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
-                                      MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 
 REF = "#/components/schemas/"
 ROLES = ["system", "developer", "user", "assistant", "tool"]

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from verispec.engine.stops import partial_stop_len
 from verispec.sampling import SamplingParams
+from verispec.server.bounds import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_bookkeeping,
+                                    echo_name, shown)
 from verispec.server.logprobs import parse_logprobs
 
 if TYPE_CHECKING:
@@ -25,13 +27,6 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE = 1e-5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16  # choices per request (`n`)
-# what one request may carry beyond its prompt: enough for any real use, small enough that no request's bookkeeping
-# costs the others (a 2M-entry stop_token_ids list once stalled every stream; issue 67)
-MAX_STOP_TOKEN_IDS = 256
-MAX_STOP_STRINGS = 4  # OpenAI's limit
-MAX_STOP_CHARS = 256  # per stop string: it is searched in the output text after every commit
-MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
-MAX_ECHOED_NAME = 64  # characters of an unknown field name quoted back in an error
 
 
 class APIError(Exception):
@@ -178,61 +173,18 @@ def _same(v: Any, neutral: Any) -> bool:
     return v == neutral  # 0 == 0.0; values of other types never compare equal
 
 
-def shown(v: Any, most: int = 80) -> str:
-    """A client's value as quoted back in an error: its JSON when short, else what it is and how big (never the
-    whole of a megabyte list)."""
-    if isinstance(v, (list, dict)) and len(v) > 16:
-        return f"a JSON {_json_type(v)} of {len(v)} entries"
-    text = json.dumps(v)
-    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
-
-
-def _echo(name: str) -> str:
-    """A client's field name as quoted back: at most MAX_ECHOED_NAME characters."""
-    return name if len(name) <= MAX_ECHOED_NAME else f"{name[:MAX_ECHOED_NAME]}... ({len(name)} characters)"
-
-
 def _check_keys(body: dict, allowed: set[str]) -> None:
     unknown = [k for k in body if k not in allowed]
     if unknown:
-        names = ", ".join(_echo(k) for k in sorted(unknown)[:5]) + (f" and {len(unknown) - 5} more"
+        names = ", ".join(echo_name(k) for k in sorted(unknown)[:5]) + (f" and {len(unknown) - 5} more"
                                                                     if len(unknown) > 5 else "")
         raise bad_request(f"Unrecognized request argument(s): {names}. Supported: "
-                          f"{', '.join(sorted(allowed - _IGNORED))}.", _echo(min(unknown)))
-    _check_bookkeeping(body)
+                          f"{', '.join(sorted(allowed - _IGNORED))}.", echo_name(min(unknown)))
+    check_bookkeeping(body, bad_request)
     for key, neutral in _NEUTRAL.items():
         if key in body and not any(_same(body[key], n) for n in neutral):
             hint = _HINTS.get(key, f"remove '{key}' or send its default")
             raise bad_request(f"'{key}' = {shown(body[key])} is not supported by verispec: {hint}.", key)
-
-
-def _check_bookkeeping(body: dict) -> None:
-    """OpenAI's `user` (a string) and `metadata` (up to 16 string keys of 64 characters, string values of 512):
-    unused by generation, but held to OpenAI's types and sizes so a request cannot park anything in them."""
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request(f"'user' must be a string (an id of your end user), got a JSON {_json_type(user)}.",
-                          "user")
-    meta = body.get("metadata")
-    if meta is None:
-        return
-    if not isinstance(meta, dict):
-        raise bad_request(f"'metadata' must be an object of string keys and values, got a JSON {_json_type(meta)}.",
-                          "metadata")
-    if len(meta) > MAX_METADATA_KEYS:
-        raise bad_request(f"'metadata' holds {len(meta)} keys; send at most {MAX_METADATA_KEYS}.", "metadata")
-    for k, v in meta.items():
-        if len(k) > MAX_METADATA_KEY_CHARS:
-            raise bad_request(f"'metadata' key {_echo(k)!r} is longer than {MAX_METADATA_KEY_CHARS} characters.",
-                              "metadata")
-        if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE_CHARS:
-            raise bad_request(f"'metadata.{_echo(k)}' must be a string of at most {MAX_METADATA_VALUE_CHARS} "
-                              "characters.", f"metadata.{_echo(k)}")
-
-
-def _json_type(v: Any) -> str:
-    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
-    return "null" if v is None else names.get(type(v), type(v).__name__)
 
 
 # ---- requests ------------------------------------------------------------------------------------------------
