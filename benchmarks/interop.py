@@ -244,9 +244,11 @@ def main() -> None:
         has_vllm = True
     except ImportError as e:
         has_vllm, vllm_why = False, f"vLLM missing (`import vllm`: {e})"
+    flags = {"llama.cpp converter": f"--llama-cpp DIR with convert_hf_to_gguf.py (got {args.llama_cpp})",
+             "llama-server": f"--llama-server BIN, an executable (got {args.llama_server})"}
     for peer, ok in peers.items():
         if not ok:
-            print(f"{peer}: not given or not found (--llama-cpp DIR / --llama-server BIN); skipped", flush=True)
+            print(f"{peer} missing: {flags[peer]}; its columns are skipped", flush=True)
     if not has_vllm:
         print(vllm_why, flush=True)
 
