@@ -376,3 +376,14 @@ def test_source_has_no_dates_and_no_references_outside_the_repository() -> None:
     dated, outside = offending_lines(DATE, files), offending_lines(OUTSIDE, files)
     assert not dated, "dated lines in src/ (measurements belong in docs/results/):\n" + "\n".join(dated)
     assert not outside, "src/ cites files outside the repository (cite docs/ instead):\n" + "\n".join(outside)
+
+
+DOC_CITATION = re.compile(r"\bdocs/[\w/.-]+?\.md\b")
+
+
+def test_every_docs_page_the_source_cites_exists() -> None:
+    cited = {(m.group(0), line) for line in offending_lines(DOC_CITATION, source_files())
+             for m in DOC_CITATION.finditer(line.split(": ", 1)[1])}
+    assert len(cited) > 5, "the citation finder is broken"
+    missing = sorted(f"{line.split(': ', 1)[0]} cites {page}" for page, line in cited if not (ROOT / page).is_file())
+    assert not missing, "src/ cites docs pages that do not exist:\n" + "\n".join(missing)

@@ -11,10 +11,11 @@ import torch
 from tqdm.auto import tqdm
 
 from verispec.check.state import check_kv
-from verispec.config import KV_CACHE_DTYPES, LEARNED_METHODS, ModelConfig, SpeculativeConfig
+from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, LEARNED_METHODS, ModelConfig, SpeculativeConfig
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.execution.features import target_features
+from verispec.engine.args import EngineArgs
 from verispec.engine.core import Engine, EngineConfig, TokenCallback
 from verispec.engine.costs import MeasuredStepCosts, StepCosts
 from verispec.engine.scheduler import make_policy
@@ -24,6 +25,7 @@ from verispec.execution.hidden_states import hidden_states
 from verispec.sampling.logprobs import Logprob, vllm_logprobs
 from verispec.engine.profile import profile_costs, profile_step_costs
 from verispec.sampling import SamplingParams
+from verispec.sampling.processor import ProcessorFactory
 from verispec.kernels.threads import release_openmp_threads
 from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
@@ -79,62 +81,58 @@ def default_device() -> str:
 # The default KV budget when max_num_seqs x max_model_len positions would need more (vLLM's CPU backend also
 # defaults to a few GiB): requests then share it and the newest is preempted when it runs out.
 DEFAULT_KV_CACHE_BYTES = 4 << 30
+DEFAULT_CONTEXT_CAP = 4096  # max_model_len when none is given: the model's own, at most this
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        dtype: str = "auto",
-        device: str | None = None,
-        max_model_len: int | None = None,
-        progress: bool = True,
-        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-        check_state: bool = False,
-        max_num_seqs: int = 4,
-        scheduler: str | None = None,
-        max_num_batched_tokens: int | None = None,
-        quantization: str | None = None,
-        invariant: bool | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = False,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        self.device = device or default_device()
-        self.resolved = resolve(model, progress)
-        spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))  # bad input fails first
-        self.path_choice = self._choose_path(self.resolved, dtype, quantization, spec, progress, invariant)
+    """vLLM's `LLM`: a target model, its drafter and a continuous-batching engine over one paged KV cache."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        """The keywords are `EngineArgs`' fields (engine/args.py, where each one's default is written): dtype,
+        device, max_model_len, speculative_config, max_num_seqs, scheduler, enable_prefix_caching, ..."""
+        self._build(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._build(args)
+        return llm
+
+    def _build(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = args.device or default_device()
+        self.resolved = resolve(args.model, args.progress)
+        spec = self._parse_speculation(args.speculative_config)  # bad input fails before anything loads
+        self.path_choice = self._choose_path(self.resolved, args.dtype, args.quantization, spec, args.progress,
+                                             args.invariant)
         self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
-        self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=progress,
+        self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=args.progress,
                                    quantization=self.quantization)
-        self.model.kv_cache_dtype = None if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        self.model.kv_cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
-        self._set_invariance(invariant)
+        self._set_invariance(args.invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
         # K/V take 46 KB per position for the default model (fp32 on CPU); by default the paged cache holds
         # max_num_seqs x max_model_len positions (as one slot per request did) up to DEFAULT_KV_CACHE_BYTES, so the
-        # default context is capped at 4096 unless asked for more; kv_cache_memory_bytes sizes it by memory instead
-        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.max_num_seqs = max_num_seqs
-        self.scheduler = scheduler
-        self.max_num_batched_tokens = max_num_batched_tokens
-        if block_size < 1 or (kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0):
-            raise ValueError("block_size and kv_cache_memory_bytes must be positive")
-        self.kv_cache_memory_bytes, self.block_size = kv_cache_memory_bytes, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        # default context is capped at DEFAULT_CONTEXT_CAP unless asked for more; kv_cache_memory_bytes sizes it by
+        # memory instead
+        self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP),
+                                 cfg.max_position_embeddings)
+        self.max_num_seqs = args.max_num_seqs
+        self.scheduler = args.scheduler
+        self.max_num_batched_tokens = args.max_num_batched_tokens
+        self.kv_cache_memory_bytes, self.block_size = args.kv_cache_memory_bytes, args.block_size
+        self.enable_prefix_caching = args.enable_prefix_caching
         self.cache = self._new_cache()
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
         self._costs: StepCosts | None = None
-        self.check_state = check_state
+        self.check_state = args.check_state
         self._engine: Engine | None = None
-        self._set_speculation(speculative_config)
+        self._set_speculation(spec)
         # building ran kernels on this thread (the path's profile); give its OpenMP threads back so that a worker
         # thread running this LLM later is the process's only OpenMP user (kernels/threads.py); made again here
         # on this thread's next forward
@@ -171,8 +169,13 @@ class LLM:
                 f"differently by batch size (measured: {bad}); use dtype='bfloat16' or quantization='gguf'")
         self.model.batch_invariant = measured if invariant is None else invariant
 
-    def _set_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None) -> None:
-        self.spec = SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
+    def _parse_speculation(self, speculative_config: Mapping[str, Any] | SpeculativeConfig | None
+                           ) -> SpeculativeConfig:
+        """The one place a speculative_config is parsed (after the shipped drafter is filled in)."""
+        return SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
+
+    def _set_speculation(self, spec: SpeculativeConfig) -> None:
+        self.spec = spec
         if self.spec.draft_tree:
             self.model.cfg.check_tree_depth(self.spec.num_speculative_tokens, "the target")
         self.rule = AcceptanceConfig(self.spec.acceptance_rule, self.spec.threshold_single, self.spec.threshold_acc)
@@ -215,7 +218,7 @@ class LLM:
         import copy
 
         other = copy.copy(self)
-        other._set_speculation(speculative_config)
+        other._set_speculation(self._parse_speculation(speculative_config))
         other.check_state = self.check_state if check_state is None else check_state
         other._costs = self._costs
         if other._costs is not None and min(other._max_step_tokens(), 128) > other._costs.table.sizes[-1]:
@@ -289,7 +292,7 @@ class LLM:
         if self.scheduler is not None:
             return self.scheduler
         # dspark: at or above goodput with n-gram drafts on every shipped workload, level with it for EAGLE-3
-        # (docs/speculation.md, "n-gram confidences scored in hindsight"); the server's default too
+        # (docs/results/speculation.md, "n-gram confidences scored in hindsight"); the server's default too
         return "dspark" if self.spec.adaptive else "static"
 
     @property
@@ -300,14 +303,23 @@ class LLM:
             needs_costs = self.spec.method != "none" and name != "static"
             # the profile, corrected by this engine's own measured forwards
             policy = make_policy(name, MeasuredStepCosts(self.costs) if needs_costs else StepCosts.flat())
-            config = EngineConfig(max_num_seqs=self.max_num_seqs,
-                                  max_num_batched_tokens=self.max_num_batched_tokens or max(512, self._max_step_tokens()),
+            batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self._max_step_tokens())
+            config = EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                   num_speculative_tokens=self.spec.num_speculative_tokens,
                                   draft_tree=self.spec.draft_tree)
             check = self._state_check if self.check_state else None
             self._engine = Engine(self.model, self.cache, self.drafters, policy, self.eos_ids, config, self.rule,
-                                  check, detokenize=self.decode if self.tokenizer is not None else None)
+                                  check, detokenize=self.decode if self.tokenizer is not None else None,
+                                  processors=self.processors)
         return self._engine
+
+    @property
+    def processors(self) -> ProcessorFactory:
+        """Structured outputs and sampling controls of this model's requests (one grammar compiler, built at the
+        first structured request; shared by the LLMs of `with_speculation`)."""
+        if getattr(self, "_processors", None) is None:
+            self._processors = ProcessorFactory(self.tokenizer, self.model.cfg.vocab_size, self.eos_ids)
+        return self._processors
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:

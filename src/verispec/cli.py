@@ -11,6 +11,7 @@ from typing import Any, Sequence, TextIO
 
 from verispec.config import (BENCH_METHODS, DEFAULT_DRAFT_QUANTIZATION, DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES,
                              MODEL_FREE_METHODS, QUANTIZATIONS, SPEC_METHODS)
+from verispec.engine.args import SERVE_DEFAULTS, EngineArgs
 from verispec.models import hub
 
 DEFAULT_MODEL = hub.DEFAULT_MODEL
@@ -37,7 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    p.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="the KV cache's element type. auto (default): float32 on CPU, the model's dtype on CUDA; "
                         "float16 halves the cache's memory and what attention reads per token (faster at long "
                         "contexts and many requests), K/V rounded to nearest even when written: outputs can differ "
@@ -146,7 +147,7 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     _add_model_args(serve)
     _add_kv_args(serve)
     _add_spec_args(serve)
-    serve.add_argument("--scheduler", default="dspark", choices=["static", "goodput", "dspark"],
+    serve.add_argument("--scheduler", default=SERVE_DEFAULTS["scheduler"], choices=["static", "goodput", "dspark"],
                        help="how draft lengths are chosen across the batch (default: %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
@@ -154,12 +155,15 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                             "$VERISPEC_API_KEY, else no key)")
     serve.add_argument("--served-model-name", default=None, help="model id shown to clients (default: --model)")
-    serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoding at once (default: %(default)s)")
+    serve.add_argument("--max-num-seqs", type=int, default=SERVE_DEFAULTS["max_num_seqs"],
+                       help="requests decoding at once (default: %(default)s)")
     serve.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="memory for the paged KV cache (default: max-num-seqs x max-model-len "
                             "positions, at most 4 GiB)")
-    serve.add_argument("--block-size", type=int, default=16, help="positions per KV block (default: %(default)s)")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    serve.add_argument("--block-size", type=int, default=EngineArgs.block_size,
+                       help="positions per KV block (default: %(default)s)")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=SERVE_DEFAULTS["enable_prefix_caching"],
                        help="share the KV blocks of identical prompt prefixes (system prompts, few-shot headers) "
                             "between requests, as vLLM's V1 engine does by default; not for EAGLE-3 / DFlash / "
                             "DSpark, which need every prompt position's hidden state (default: on)")
@@ -184,6 +188,7 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="also serve POST /reset_prefix_cache (vLLM's VLLM_SERVER_DEV_MODE routes): benchmarks "
                             "that send the same prompts again empty the prefix cache between runs")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(max_model_len=SERVE_DEFAULTS["max_model_len"])
 
 
 def _add_bench(bench: argparse.ArgumentParser) -> None:
@@ -297,9 +302,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     spec = _spec_config(args)
     kind, prompt = _build_prompt(args)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=spec, check_state=args.check_state, quantization=args.quantization,
-              invariant=args.invariant, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args, speculative_config=spec))
     streamer = None if args.json else TextStreamer(llm)
     run = llm.chat if kind == "chat" else llm.generate
     out = run(prompt, params, use_tqdm=False, on_tokens=streamer)[0]
@@ -338,11 +341,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # by default the paged KV cache holds max-num-seqs full-length requests, at most 4 GiB (a 2048-token default
     # keeps 16 near 1.5 GB on CPU); --kv-cache-memory-bytes sizes it by memory (requests then share it, preempted
     # when it is full)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or 2048,
-              speculative_config=spec, check_state=args.check_state, max_num_seqs=args.max_num_seqs,
-              scheduler=args.scheduler, quantization=args.quantization, invariant=args.invariant,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-              enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args, speculative_config=spec))
     engine = BackgroundEngine(llm.engine, llm.check_prompt_ids, max_waiting=args.max_waiting)
     limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
                                 ("shutdown_timeout", args.shutdown_timeout)) if v is not None}

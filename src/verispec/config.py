@@ -161,7 +161,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
 # GGUF block formats a learned drafter's float linears are rounded to beside a gguf-q8act target
 # (speculative_config "quantization"); the default: drafts about as good as Q8_0's at half the bytes read per draft
-# token (benchmarks/learned_drafters.py, formats side by side: docs/drafters.md)
+# token (benchmarks/learned_drafters.py, formats side by side: docs/results/drafters.md)
 DRAFT_QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 DEFAULT_DRAFT_QUANTIZATION = "q4_0"
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree
@@ -171,12 +171,20 @@ HYBRID_METHODS = ("draft_model", *LEARNED_METHODS, *NATIVE_METHODS)  # model dra
 BENCH_METHODS = ("synthetic",)
 
 
+# Defaults that more than one layer reads, written once here (the engine's EngineConfig, the API's EngineArgs and the
+# CLI's flags take them from these names).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # K, the most draft tokens per request and step
+DEFAULT_MAX_NUM_SEQS = 4  # requests decoding at once in one LLM (the server's own default: engine/args.py)
+DEFAULT_BLOCK_SIZE = 16  # positions per paged-KV block
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens in one forward, at least (the engine raises it to a full decode step)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys, plus verispec's acceptance-rule and adaptivity switches."""
 
     method: str = "none"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # the draft model (draft_model), the trained drafter's directory (eagle3/dflash/dspark) or the checkpoint whose
     # MTP layers draft (mtp; LLM fills in the target's own directory)
     model: str | None = None

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from verispec.audit.spec import EndpointSpec, EngineSpec, parse_spec
+from verispec.audit.spec import AUDIT_MAX_MODEL_LEN, AUDIT_MAX_NUM_SEQS, EndpointSpec, EngineSpec, parse_spec
 from verispec.models.hub import DEFAULT_MODEL
 
 
@@ -35,9 +35,9 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target of in-process SPECs without model= (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda for in-process SPECs (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="KV positions per request, in process")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoding together, in process")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight per endpoint")
+    p.add_argument("--max-model-len", type=int, default=AUDIT_MAX_MODEL_LEN, help="KV positions per request, in process")
+    p.add_argument("--max-num-seqs", type=int, default=AUDIT_MAX_NUM_SEQS, help="requests decoding together, in process")
+    p.add_argument("--concurrency", type=int, default=AUDIT_MAX_NUM_SEQS, help="requests in flight per endpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--out", default="verispec-audit", help="directory for the JSON, CSV, Markdown, PNG and HTML report")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence
 from tqdm.auto import tqdm
 
 from verispec.audit.items import AuditItem
-from verispec.audit.spec import EndpointSpec, EngineSpec, Spec
+from verispec.audit.spec import AUDIT_MAX_NUM_SEQS, EndpointSpec, EngineSpec, Spec
 
 Grader = Callable[[AuditItem, str], Any]  # -> Grade(score, passed, details)
 SIDES = ("reference", "candidate")
@@ -114,7 +114,7 @@ class EngineSide:
 
 
 def build_engine_sides(specs: Sequence[EngineSpec], model: str, device: str | None = None,
-                       max_model_len: int | None = None, max_num_seqs: int = 8,
+                       max_model_len: int | None = None, max_num_seqs: int = AUDIT_MAX_NUM_SEQS,
                        progress: bool = True) -> list[EngineSide]:
     """One EngineSide per spec; specs on the same target, dtype and weight format share one loaded LLM."""
     from verispec import LLM
@@ -241,7 +241,8 @@ def _parse_choice(r: Any) -> Generation:
 
 
 def build_sides(candidate: Spec, reference: Spec, model: str, device: str | None = None,
-                max_model_len: int | None = None, max_num_seqs: int = 8, concurrency: int = 8,
+                max_model_len: int | None = None, max_num_seqs: int = AUDIT_MAX_NUM_SEQS,
+                concurrency: int = AUDIT_MAX_NUM_SEQS,
                 progress: bool = True) -> tuple[Side, Side]:
     """(candidate, reference) sides; in-process specs on the same target weights share one loaded LLM."""
     specs = {"candidate": candidate, "reference": reference}

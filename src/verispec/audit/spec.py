@@ -25,6 +25,10 @@ ENDPOINT_KEYS = ("url", "model", "key", "label")
 _ALIASES = {"num_speculative_tokens": "k", "draft_model": "drafter", "acceptance_rule": "rule", "api_key": "key"}
 
 
+# An in-process audit's engine: requests decoding together, and KV positions per request (its items are short).
+AUDIT_MAX_NUM_SEQS = 8
+AUDIT_MAX_MODEL_LEN = 2048
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Our engine in process: target `model` (None: the command's --model), weight path and speculation."""

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from verispec.audit.items import AuditItem
 from verispec.audit.runner import EngineSide, Grader, add_margins, build_engine_sides, check_items, make_jobs, record
-from verispec.audit.spec import EngineSpec
+from verispec.audit.spec import AUDIT_MAX_NUM_SEQS, EngineSpec
 from verispec.audit.stats import pair_up, per_domain, summarize
 
 SWEEP_RULES = ("threshold",)
@@ -52,7 +52,8 @@ def value_spec(base: EngineSpec, rule: str, param: str, value: float) -> EngineS
 
 
 def build_sweep_sides(base: EngineSpec, rule: str, param: str, values: Sequence[float], model: str,
-                      device: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 8,
+                      device: str | None = None, max_model_len: int | None = None,
+                      max_num_seqs: int = AUDIT_MAX_NUM_SEQS,
                       progress: bool = True) -> tuple[EngineSide, dict[float, EngineSide]]:
     """The exact-rule reference and one side per value, all over one loaded target."""
     if base.method == "none":

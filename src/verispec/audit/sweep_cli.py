@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from verispec.audit.spec import EngineSpec
+from verispec.audit.spec import AUDIT_MAX_MODEL_LEN, AUDIT_MAX_NUM_SEQS, EngineSpec
 from verispec.models.hub import DEFAULT_MODEL
 
 
@@ -48,8 +48,8 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default: %(default)s)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="KV positions per request")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoding together")
+    p.add_argument("--max-model-len", type=int, default=AUDIT_MAX_MODEL_LEN, help="KV positions per request")
+    p.add_argument("--max-num-seqs", type=int, default=AUDIT_MAX_NUM_SEQS, help="requests decoding together")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--out", default="verispec-audit-sweep", help="directory for the JSON, CSV, Markdown, PNG, HTML")
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.config import LEARNED_METHODS, SPEC_METHODS, ModelConfig
+from verispec.config import DEFAULT_NUM_SPECULATIVE_TOKENS, LEARNED_METHODS, SPEC_METHODS, ModelConfig
 from verispec.doctor import checks as C
 from verispec.doctor import interface as I
 
@@ -31,7 +31,7 @@ class DoctorOptions:
     dtype: str = "float32"
     max_tokens: int = 16  # per identity prompt
     state_steps: int = 32  # decode steps under the state oracle
-    k: int = 4
+    k: int = DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 @dataclass
@@ -285,7 +285,7 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter checkpoint dir or shipped name (default: the shipped "
                    "one for the target), an exported LlamaForCausalLMEagle3 dir, or a draft model")
     p.add_argument("--method", default="eagle3", choices=SPEC_METHODS)
-    p.add_argument("--scheduler", default="dspark", choices=("static", "goodput", "dspark"))
+    p.add_argument("--scheduler", default=DoctorOptions.scheduler, choices=("static", "goodput", "dspark"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per identity prompt")
     p.add_argument("--state-steps", type=int, default=32, help="tokens generated under the state oracle")

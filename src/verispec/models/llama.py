@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.config import ModelConfig
+from verispec.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from verispec.models.attention import (AttentionKernel, AttentionPlan, CacheShape, attend_group, plan_attention,
                                        scores_dtype)
 from verispec.models.linear import fuses, norm_linear, residual_linear, rms_norm
@@ -249,7 +249,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"max_len {max_len} exceeds the model's positions ({self.max_positions})")
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, num_slots, self.kv_dtype, self.device)
 
-    def new_paged_cache(self, max_len: int, num_blocks: int, block_size: int = 16, num_slots: int = 1,
+    def new_paged_cache(self, max_len: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, num_slots: int = 1,
                         prefix_caching: bool = False) -> PagedKVCache:
         """The engine's cache: `num_blocks` blocks of `block_size` positions shared by up to `num_slots`
         sequences of at most `max_len` positions (state/paged_kv.py)."""

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from verispec.config import DEFAULT_BLOCK_SIZE
 from verispec.state.block_pool import ROOT, BlockPool, BlocksExhausted, block_hash
 from verispec.state.kv_cache import CacheFullError, rows_move
 
@@ -49,7 +50,7 @@ class SeqState:
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, num_blocks: int,
-                 block_size: int = 16, num_slots: int = 1, prefix_caching: bool = False,
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_slots: int = 1, prefix_caching: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if max_len <= 0 or num_slots <= 0:
             raise ValueError("max_len and num_slots must be positive")

@@ -3,7 +3,7 @@ and everyday chat questions, composed from templates and subject lists written f
 
 They cover the kinds of task the shipped benchmark workloads measure without reusing any benchmark prompt
 (tests/test_train_data.py checks there is no overlap). Deterministic: the same `n` gives the same prompts.
-Public prompt sets (e.g. ../shared/data/prompts/*.jsonl, `{"turns": [...]}`) can be added as files.
+Public prompt sets (`{"turns": [...]}` JSONL, such as DeepSpec's eval prompts) can be added as files.
 """
 
 from __future__ import annotations
