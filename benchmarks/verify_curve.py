@@ -28,10 +28,10 @@ import contextlib
 import functools
 import json
 import statistics
-import time
 
 import torch
 
+from verispec.bench.decode_speed import forward_ms
 from verispec.bench.load import MachineLoad
 from verispec.config import ModelConfig
 from verispec.execution.autotune import resolve_path
@@ -43,15 +43,6 @@ from verispec.models.llama import LlamaModel, Segment
 from verispec.models.loader import gguf_has_int4_linears, load_model, read_config, resolve
 
 MS = (1, 2, 3, 4, 8, 16, 32)
-
-
-def forward_ms(model: LlamaModel, cache, slot: int, ids: torch.Tensor, context: int, m: int) -> float:
-    """ms of one forward of ids[context : context + m] as a block after `context` committed tokens."""
-    t = time.perf_counter()
-    model(ids[context : context + m], [Segment(slot, context, m)], cache, logits_indices=range(m))
-    ms = (time.perf_counter() - t) * 1e3
-    cache.rollback(slot, context)
-    return ms
 
 
 def check_same_logits(model: LlamaModel, setting, what: str, ids: torch.Tensor) -> None:

@@ -147,15 +147,16 @@ def write_gguf(path: str | Path, cfg: Mapping[str, Any], tensors: Mapping[str, A
                float_type: str = "f16", tokenizer_from: str | Path | None = None, name: str = "synthetic",
                seed: int = 0) -> Path:
     """Write a GGUF of the decoder `cfg` (an HF config dict: model_type llama, qwen2 or qwen3) with `tensors`
-    (HF names -> arrays or torch tensors; None: `random_tensors`), its matrices in `float_type` ("f16" or "f32"),
+    (HF names -> arrays or torch tensors; None: `random_tensors`), its matrices in `float_type` ("f16", "f32", or
+    "q8_0": rounded by gguf's own Q8_0 quantizer, for where llama-quantize is not at hand),
     with the tokenizer of the GGUF `tokenizer_from` (padded to the vocabulary) or none."""
     import gguf
 
     arch = cfg["model_type"]
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"write_gguf writes llama, qwen2 and qwen3 decoders, not {arch!r}")
-    if float_type not in ("f16", "f32"):
-        raise ValueError(f"float_type is f16 or f32, got {float_type!r}")
+    if float_type not in ("f16", "f32", "q8_0"):
+        raise ValueError(f"float_type is f16, f32 or q8_0, got {float_type!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), arch)
@@ -172,7 +173,11 @@ def write_gguf(path: str | Path, cfg: Mapping[str, Any], tensors: Mapping[str, A
             a = permute_heads(a, cfg["num_key_value_heads"])
         if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings", False):
             continue  # tied: llama.cpp reads the embedding
-        w.add_tensor(gguf_name(hf_name), a.astype(np.float16) if a.ndim == 2 and float_type == "f16" else a)
+        if a.ndim == 2 and float_type == "q8_0":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_name(hf_name), gguf.quants.quantize(a, q8), raw_shape=a.shape, raw_dtype=q8)
+        else:
+            w.add_tensor(gguf_name(hf_name), a.astype(np.float16) if a.ndim == 2 and float_type == "f16" else a)
     scaling = rope(cfg)[1]
     if scaling and scaling.get("rope_type") != "llama3":
         raise ValueError(f"write_gguf writes llama3 RoPE scaling only, not {scaling}")
@@ -201,7 +206,8 @@ def _write_metadata(w, cfg: Mapping[str, Any], name: str, float_type: str) -> No
     w.add_key_length(head_dim(cfg))
     w.add_value_length(head_dim(cfg))
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if float_type == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "f32": gguf.LlamaFileType.ALL_F32,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[float_type])
 
 
 def copy_tokenizer(w, source: str | Path, vocab_size: int) -> None:
