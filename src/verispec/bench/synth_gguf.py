@@ -175,7 +175,7 @@ def write_gguf(path: str | Path, cfg: Mapping[str, Any], tensors: Mapping[str, A
             continue  # tied: llama.cpp reads the embedding
         if a.ndim == 2 and float_type == "q8_0":
             q8 = gguf.GGMLQuantizationType.Q8_0
-            w.add_tensor(gguf_name(hf_name), gguf.quants.quantize(a, q8), raw_shape=a.shape, raw_dtype=q8)
+            w.add_tensor(gguf_name(hf_name), gguf.quants.quantize(a, q8), raw_dtype=q8)
         else:
             w.add_tensor(gguf_name(hf_name), a.astype(np.float16) if a.ndim == 2 and float_type == "f16" else a)
     scaling = rope(cfg)[1]
