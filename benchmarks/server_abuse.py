@@ -193,7 +193,7 @@ def phase(url: str, log: Path, seconds: float, guards: int, abuse: str | None) -
     stop.set()
     [w.join(180) for w in workers]
     lat.sort()
-    return {"abuse": abuse, "tok_s": tokens / elapsed, "seconds": elapsed,
+    return {"abuse": abuse, "tok_s": tokens / elapsed, "seconds": elapsed, "load": os.getloadavg()[0],
             "health_p95": lat[int(0.95 * (len(lat) - 1))] if lat else None, "health_max": lat[-1] if lat else None,
             "log_bytes": log.stat().st_size - size0, "statuses": statuses}
 
@@ -238,6 +238,8 @@ def summarize(rows: list[dict], log: Path, sig: dict) -> str:
     out.append(f"| none (baseline) | - | guards {statistics.median(r['tok_s'] for r in base):.1f} tok/s | "
                f"{max(r['health_p95'] for r in base):.3f} / {max(r['health_max'] for r in base):.3f} | "
                f"{max(r['log_bytes'] for r in base)} |")
+    loads = [r["load"] for r in rows]
+    out.append(f"\nMachine load average (1 min) over the phases: {min(loads):.1f}-{max(loads):.1f}.")
     out.append(f"\nSIGTERM with a body half sent: answered `{sig['answer']}` ({sig['content_type']}), server exited "
                f"{sig['exit_s']:.2f} s after the signal. Whole log: {log.stat().st_size} bytes; tracebacks in it: "
                f"{log.read_text(errors='replace').count('Traceback')}.")
@@ -262,7 +264,8 @@ def main() -> None:
                 for abuse in (None, name):
                     rows.append(phase(url, log, args.phase_seconds, args.guards, abuse))
                     r = rows[-1]
-                    print(f"rep {rep} {abuse or 'none':9s} {r['tok_s']:6.1f} tok/s  health p95 {r['health_p95']:.3f}"
+                    print(f"rep {rep} {abuse or 'none':9s} {r['tok_s']:6.1f} tok/s  load {r['load']:.1f}  "
+                          f"health p95 {r['health_p95']:.3f}"
                           f"  log +{r['log_bytes']}  {r['statuses'][:3]}", flush=True)
         sig = sigterm_half_body(proc, url)
     finally:

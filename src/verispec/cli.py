@@ -195,7 +195,11 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
     from verispec.bench.single import add_single_args
     from verispec.bench.sweep import add_sweep_args
 
+    from verispec.bench.commands import COMMANDS
+
     bsub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, command in COMMANDS.items():
+        command.adder()(bsub.add_parser(name, help=command.help))
     single = bsub.add_parser("single", help="single-stream: each method vs plain decoding on the workloads")
     _add_model_args(single)
     add_single_args(single)
@@ -354,6 +358,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from verispec.bench.sweep import run_sweep, sweep_options
 
+    from verispec.bench.commands import COMMANDS
+
+    if args.bench_command in COMMANDS:
+        return COMMANDS[args.bench_command].runner()(args)
     if args.bench_command == "sweep":
         return run_sweep(args)
     if args.endpoint:  # single stream against a server: a sweep at concurrency 1 over the same workloads

@@ -161,7 +161,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SPEC_METHODS = ("none", *MODEL_FREE_METHODS, "draft_model", *LEARNED_METHODS, *NATIVE_METHODS)
 # GGUF block formats a learned drafter's float linears are rounded to beside a gguf-q8act target
 # (speculative_config "quantization"); the default: drafts about as good as Q8_0's at half the bytes read per draft
-# token (benchmarks/learned_drafters.py, formats side by side: docs/results/drafters.md)
+# token (verispec bench drafters, formats side by side: docs/results/drafters.md)
 DRAFT_QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 DEFAULT_DRAFT_QUANTIZATION = "q4_0"
 TREE_METHODS = ("ngram", "suffix", "eagle3", "dflash", "dspark", "draft_model")  # the drafters with a propose_tree

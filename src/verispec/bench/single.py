@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from verispec.bench.load import MachineLoad
 from verispec.bench.report import Report, Table, median, write_report
+from verispec.bench.spec_bench import Run, load_spec_bench, spec_bench_rows
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.check.identity import common_prefix_fraction, compare_greedy
 from verispec.config import LEARNED_METHODS, MODEL_FREE_METHODS
@@ -103,7 +104,9 @@ def drafter_memory(base, engines: dict[str, Any], first, max_tokens: int) -> dic
 def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FREE_METHODS,
                workloads=WORKLOADS, limit: int = 2, repeats: int = 1, max_tokens: int = 96, k: int = 8,
                device: str = "cpu", progress: bool = True, llm=None, quantization: str | None = None,
-               invariant: bool | None = None) -> Report:
+               invariant: bool | None = None, spec_bench: str | None = None) -> Report:
+    """Every method against plain decoding on the workloads (or, with `spec_bench`, a Spec-Bench question file's
+    first `limit` questions per category, each category a workload, and Spec-Bench's tables added)."""
     from verispec import LLM, SamplingParams
 
     # dtype="auto" picks the path for the engine's blocks with k drafts: the first method's configuration
@@ -111,7 +114,8 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     base = llm or LLM(model, dtype=dtype, device=device, max_model_len=2048, max_num_seqs=1, progress=progress,
                       quantization=quantization, speculative_config=first_spec, invariant=invariant)
     engines = method_engines(base, methods, k)
-    sets = {str(w): load_workload(w, limit=limit) for w in workloads}
+    sets = (load_spec_bench(spec_bench, limit) if spec_bench else
+            {str(w): load_workload(w, limit=limit) for w in workloads})
     records: list[dict[str, Any]] = []
     total = sum(len(p) for p in sets.values()) * repeats * len(engines)
     bar = tqdm(total=total, desc="bench single", disable=not progress, file=sys.stderr)
@@ -156,7 +160,19 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     rep = build_report(records, engines, mem, rss, path=base.path_choice, model=model, repeats=repeats,
                        limit=limit)
     rep.notes.append(load.describe())
+    if spec_bench:
+        rep.tables += spec_bench_tables(records)
     return rep
+
+
+def spec_bench_tables(records) -> list[Table]:
+    """Spec-Bench's two tables per method (per category; per task, with Overall) from the records' ratios."""
+    tables = []
+    for m in dict.fromkeys(x["method"] for x in records if x["method"] != "none"):
+        runs = [Run(x["workload"], x["ratio"], x["tau"], x["identical"]) for x in records if x["method"] == m]
+        cats, tasks = spec_bench_rows(runs)
+        tables += [Table(f"Spec-Bench per category: {m}", cats), Table(f"Spec-Bench per task: {m}", tasks)]
+    return tables
 
 
 def build_report(records, engines, mem, rss, *, path, model, repeats, limit) -> Report:
@@ -251,7 +267,10 @@ def add_single_args(p: argparse.ArgumentParser) -> None:
                    help="comma list: ngram, suffix, draft_model:PATH, eagle3|dflash|dspark[:PATH] (without a "
                         "path: the shipped drafter for --model)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="shipped names or .jsonl paths, comma list")
-    p.add_argument("--limit", type=int, default=2, help="prompts per workload")
+    p.add_argument("--limit", type=int, default=2, help="prompts per workload (with --spec-bench: per category)")
+    p.add_argument("--spec-bench", default=None, metavar="QUESTION_JSONL",
+                   help="Spec-Bench's data/spec_bench/question.jsonl (fetch it yourself): its 13 categories as the "
+                        "workloads (first turns), reported per category and per task as Spec-Bench's tables")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=8)
@@ -263,11 +282,12 @@ def run_single_cli(args: argparse.Namespace) -> int:
                      methods=[m for m in args.methods.split(",") if m], workloads=args.workloads.split(","),
                      limit=args.limit, repeats=args.repeats, max_tokens=args.max_tokens,
                      k=args.num_speculative_tokens, device=args.device or "cpu", quantization=args.quantization,
-                     invariant=args.invariant)
+                     invariant=args.invariant, spec_bench=args.spec_bench)
     paths = write_report(rep, args.out)
     from verispec.bench.report import markdown_table
 
-    print(markdown_table(rep.tables[0]))
+    for table in rep.tables:
+        print(markdown_table(table))
     print("\n".join(f"> {n}" for n in rep.notes))
     print(f"report: {paths['html']}  (also {paths['md'].name}, {paths['json'].name}, {paths['csv'].name}, PNGs)")
     return 0

@@ -16,11 +16,11 @@ Conditions (MEASURE.md):
   - Baseline: the chain at the same k, same continuations, same run. No timing: what a tree costs on the target is
     the forward over its nodes, which equals the chain's at the same positions (tests/test_tree_attention.py).
 
-    python benchmarks/tree_acceptance.py --limit 8 --max-tokens 128 --k 2,4,8 --drafters ngram,suffix
-    python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3
-    python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3 \
+    python benchmarks/studies/tree_acceptance.py --limit 8 --max-tokens 128 --k 2,4,8 --drafters ngram,suffix
+    python benchmarks/studies/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3
+    python benchmarks/studies/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,8 --drafters eagle3 \
         --widths 4       # EAGLE-2's growth (4 nodes expanded per depth) beside the default one, same run
-    python benchmarks/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,7 --drafters dflash,dspark
+    python benchmarks/studies/tree_acceptance.py --dtype float32 --limit 4 --max-tokens 128 --k 4,7 --drafters dflash,dspark
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-
 from verispec import LLM, SamplingParams
+from verispec.bench.replay import replay
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.dflash import DFlashDrafter
 from verispec.drafters.dflash import load as load_block
@@ -40,36 +39,6 @@ from verispec.execution.features import capture_forward, select
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.shipped import resolve
 from verispec.drafters.suffix import SuffixCache, SuffixDrafter
-from verispec.execution.tree_verify import verify_tree_greedy
-from verispec.execution.verify import verify_greedy
-from verispec.models.tree import TreeDraft, depths
-
-
-def replay(drafter, prompt: list[int], out: list[int], k: int, tree: bool, feats: torch.Tensor | None = None,
-           width: int | None = None) -> tuple[int, int, int]:
-    """(tokens committed, steps, positions verified) of n-gram drafting over the recorded continuation `out`,
-    through the engine's own greedy verification rules, with logits whose argmax at every query row is the
-    target's recorded next token for that row's depth (the only rows the rules read lie on the followed path)."""
-    t = steps = verified = 0
-    end = out + [0] * (k + 1)  # past the continuation's end nothing matters: the replay stops there
-    while t < len(out):
-        context = prompt + out[:t]
-        if feats is not None:  # a learned drafter: the target's features of every committed position but the last
-            fed = drafter.n if isinstance(drafter, DFlashDrafter) else drafter.n_feat
-            drafter.add_features(feats[fed : len(context) - 1])
-        if not tree:
-            d = TreeDraft.chain(drafter.propose(context, k).tokens)
-        else:  # width: nodes expanded per depth, for the drafters that grow EAGLE-2's tree (eagle3)
-            d = drafter.propose_tree(context, k, k) if width is None else drafter.propose_tree(context, k, k, width)
-        rows = [t + r for r in depths(d.parents)]  # [N + 1] position in `out` each query row predicts
-        logits = torch.zeros(len(rows), max(end[: t + k + 1] + list(d.tokens)) + 1)
-        logits[torch.arange(len(rows)), torch.tensor([end[r] for r in rows])] = 1.0
-        verdict = verify_tree_greedy(d, logits) if tree else verify_greedy(torch.tensor(d.tokens), logits)
-        t += verdict.accepted + 1
-        steps += 1
-        verified += len(d.tokens) + 1
-    drafter.release(prompt + out)  # the whole output (a suffix drafter leaves it in the shared cache)
-    return len(out), steps, verified
 
 
 LEARNED = ("eagle3", "dflash", "dspark")

@@ -20,7 +20,7 @@ plain's, per repeat; `decode only` the same after each request's first token (pr
 does not change, left out); `per prompt` is the median (min..max) of the per-prompt ratios. tau = tokens per target
 forward; drafted = draft tokens verified per step; identity: every arm's output against plain's.
 
-    python benchmarks/ngram_confidence.py --limit 10 --repeats 2      (about 8 minutes on a 2-core CPU)
+    python benchmarks/studies/ngram_confidence.py --limit 10 --repeats 2      (about 8 minutes on a 2-core CPU)
 """
 
 from __future__ import annotations

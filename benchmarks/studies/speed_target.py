@@ -19,8 +19,8 @@ most `--max-tokens` tokens; metric: output tok/s of one request (prefill include
 the same prompt in the same run (ratios: the pooled times per workload). Every output is checked identical to
 plain's.
 
-    python benchmarks/speed_target.py                  # the table and each card's section (about 3 minutes)
-    python benchmarks/speed_target.py --write-cards    # and the section put into the shipped cards
+    python benchmarks/studies/speed_target.py                  # the table and each card's section (about 3 minutes)
+    python benchmarks/studies/speed_target.py --write-cards    # and the section put into the shipped cards
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     intro = (f"What x{args.goal:g} of plain output tok/s on chat and code would take ({datetime.date.today()}, "
              f"{cpu_info().model}, {torch.get_num_threads()} threads, the default path {path}; concurrency 1, "
              f"greedy, {args.limit} prompts each x {args.repeats} repeats, at most {args.max_tokens} tokens; "
-             f"{load.describe()}; `python benchmarks/speed_target.py`): this drafter at fixed K = 2 and {args.k} "
+             f"{load.describe()}; `python benchmarks/studies/speed_target.py`): this drafter at fixed K = 2 and {args.k} "
              "beside plain decoding of the same prompts, the step costs measured there and the forward's shape by "
              "rows profiled, a better drafter modelled as this one with every position's conditional miss rate "
              "scaled down alike (train/speed_target.py), and the tau that needs turned into training by this card's "

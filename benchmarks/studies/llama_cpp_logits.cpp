@@ -1,7 +1,7 @@
-// llama.cpp's own logits for a token sequence, for benchmarks/agreement.py's `--llama-logits` comparison.
+// llama.cpp's own logits for a token sequence, for benchmarks/studies/agreement.py's `--llama-logits` comparison.
 //
 // Not part of verispec: build it against a llama.cpp checkout you built yourself (CMake, the `llama` target), e.g.
-//   g++ -O2 -std=c++17 -I$LLAMA/include -I$LLAMA/ggml/include benchmarks/llama_cpp_logits.cpp \
+//   g++ -O2 -std=c++17 -I$LLAMA/include -I$LLAMA/ggml/include benchmarks/studies/llama_cpp_logits.cpp \
 //       -L$LLAMA/build/bin -lllama -lggml -lggml-base -Wl,-rpath,$LLAMA/build/bin -o llama_cpp_logits
 //
 // Usage: llama_cpp_logits MODEL.gguf THREADS FIRST < ids.txt > logits.f32

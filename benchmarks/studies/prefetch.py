@@ -20,8 +20,8 @@ the first `--limit` prompts of each shipped workload, `--repeats` repeats, the a
 prompt and repeat). Metric: output tok/s of one stream, prefill included. Baseline: plain decoding on the same
 prompts in the same repeat (`pooled`: all tokens / all seconds per repeat; `per prompt`: median (min..max)).
 
-    python benchmarks/prefetch.py --limit 10 --repeats 2 --levels l1,l2      (about 4 minutes on a 2-core CPU)
-    python benchmarks/prefetch.py --drafters eagle3 --levels l2 --row-levels l1,nta --workloads code,chat,markdown
+    python benchmarks/studies/prefetch.py --limit 10 --repeats 2 --levels l1,l2      (about 4 minutes on a 2-core CPU)
+    python benchmarks/studies/prefetch.py --drafters eagle3 --levels l2 --row-levels l1,nta --workloads code,chat,markdown
 """
 
 from __future__ import annotations

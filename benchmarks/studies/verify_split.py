@@ -7,7 +7,7 @@ each part over --repeats forwards of M tokens after --context committed tokens, 
 verify block computes them), the Ms in a shuffled order every repeat; baseline: M = 1 of the same run. The parts
 are timed by wrapping the two calls (`DecoderKernel.run`, `LlamaModel._head`) for the run's length only.
 
-    python benchmarks/verify_split.py [--repeats 60] [--context 256] [--ms 1,2,3,4,5,8]      (a few seconds)
+    python benchmarks/studies/verify_split.py [--repeats 60] [--context 256] [--ms 1,2,3,4,5,8]      (a few seconds)
 """
 
 from __future__ import annotations

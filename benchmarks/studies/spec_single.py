@@ -5,8 +5,8 @@ plus tau, the step-time split and greedy identity; baseline = speculation off (m
 dtype, same prompts, in the same run. Methods run interleaved (the order rotates per prompt and repeat) and every
 ratio is method tok/s / plain tok/s on the same prompt and repeat; the table gives the median and the min..max.
 
-    python benchmarks/spec_single.py --dtypes bfloat16,float32 --limit 4 --max-tokens 128 --repeats 2
-    python benchmarks/spec_single.py --dtypes auto --methods eagle3,eagle3+tree --k 4 --fixed-k \
+    python benchmarks/studies/spec_single.py --dtypes bfloat16,float32 --limit 4 --max-tokens 128 --repeats 2
+    python benchmarks/studies/spec_single.py --dtypes auto --methods eagle3,eagle3+tree --k 4 --fixed-k \
         --versus eagle3+tree/eagle3 --workloads json_records,code --limit 4 --max-tokens 96 --repeats 3
 """
 

@@ -14,7 +14,7 @@ Conditions: concurrency 1, the first --prompts chat prompts of the shipped workl
 --repeats repeats. Metric: the engine's own step clock, ms of target forward per step, and wall ms per output token,
 median over repeats of each arm's mean over its prompts. Baseline: the main arm, same run.
 
-    python benchmarks/worker_thread.py [--prompts 4] [--max-tokens 64] [--repeats 3]     (about 1 minute)
+    python benchmarks/studies/worker_thread.py [--prompts 4] [--max-tokens 64] [--repeats 3]     (about 1 minute)
 """
 
 from __future__ import annotations

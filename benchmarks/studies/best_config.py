@@ -21,13 +21,13 @@ turns it off.
 `--hybrid` runs EAGLE-3 and DFlash each behind n-gram and behind suffix drafting (`"hybrid"`), beside n-gram and
 suffix alone, all under dspark.
 
-    python benchmarks/best_config.py --limit 30 --repeats 2      (about 6 minutes on a 2-core CPU)
-    python benchmarks/best_config.py --limit 30 --repeats 2 --max-tokens 0   # each prompt's own length (192 here)
-    python benchmarks/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
-    python benchmarks/best_config.py --learned --workloads chat --phases   # + ms per step by phase, per arm
-    python benchmarks/best_config.py --learned --probe-shares 0.005 --limit 30 --repeats 2 --max-tokens 0
+    python benchmarks/studies/best_config.py --limit 30 --repeats 2      (about 6 minutes on a 2-core CPU)
+    python benchmarks/studies/best_config.py --limit 30 --repeats 2 --max-tokens 0   # each prompt's own length (192 here)
+    python benchmarks/studies/best_config.py --learned --workloads chat,code --limit 30 --repeats 2
+    python benchmarks/studies/best_config.py --learned --workloads chat --phases   # + ms per step by phase, per arm
+    python benchmarks/studies/best_config.py --learned --probe-shares 0.005 --limit 30 --repeats 2 --max-tokens 0
                                      # + each learned drafter with its probes priced at 0.5% of the plain steps
-    python benchmarks/best_config.py --hybrid --workloads json_records,templates,markdown,code,chat --limit 10
+    python benchmarks/studies/best_config.py --hybrid --workloads json_records,templates,markdown,code,chat --limit 10
 """
 
 from __future__ import annotations

@@ -5,32 +5,28 @@ Conditions (MEASURE.md):
     selector`) and the same DFlash without it; prompts: the first --limit prompts of each shipped workload, chat
     template applied; the target's plain greedy continuation of each, --max-tokens.
   - tau: committed tokens per verification step, replayed on the recorded continuation exactly as in
-    benchmarks/tree_acceptance.py (a chain of k tokens per step; with --trees also trees of k nodes). Baseline: DFlash
+    benchmarks/studies/tree_acceptance.py (a chain of k tokens per step; with --trees also trees of k nodes). Baseline: DFlash
     without the selector, same k, same continuations, same run.
   - Cost: one engine run per prompt with the selector at concurrency 1, static scheduler, k verified every step; the
     seconds spent in the selector (its lattice and walk) over the request's decode seconds, summed over prompts.
     Also the selector's parameter count and DSpark's serial head's beside it when --dspark names one.
 
-    python benchmarks/path_selector.py --drafter DIR_WITH_SELECTOR --dtype float32 --limit 4 --k 7 --trees
+    python benchmarks/studies/path_selector.py --drafter DIR_WITH_SELECTOR --dtype float32 --limit 4 --k 7 --trees
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_acceptance import replay  # noqa: E402
-
-from verispec import LLM, SamplingParams  # noqa: E402
-from verispec.bench.workloads import WORKLOADS, load_workload  # noqa: E402
-from verispec.drafters import path_selector  # noqa: E402
-from verispec.drafters.dflash import DFlashDrafter  # noqa: E402
-from verispec.drafters.dflash import load as load_block  # noqa: E402
-from verispec.execution.features import capture_forward, select  # noqa: E402
-from verispec.drafters.shipped import resolve  # noqa: E402
+from verispec.bench.replay import replay
+from verispec import LLM, SamplingParams
+from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.drafters import path_selector
+from verispec.drafters.dflash import DFlashDrafter
+from verispec.drafters.dflash import load as load_block
+from verispec.execution.features import capture_forward, select
+from verispec.drafters.shipped import resolve
 
 
 class Timed:

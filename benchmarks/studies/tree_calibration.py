@@ -22,23 +22,21 @@ Conditions (MEASURE.md):
     (paired). Greedy only: at T > 0 what is accepted depends on the draws (see tree_sampled.py).
   - Baseline: the chain at the same k. No timing.
 
-    python benchmarks/tree_calibration.py --limit 4 --max-tokens 128 --k 4,8,16
+    python benchmarks/studies/tree_calibration.py --limit 4 --max-tokens 128 --k 4,8,16
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import defaultdict
 
 import torch
 
-from verispec import LLM, SamplingParams
+from verispec import SamplingParams
+from verispec.bench.common import eagle3_study, load_eagle3
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.eagle3 import Eagle3Drafter
-from verispec.drafters.eagle3 import load as load_head
 from verispec.execution.features import capture_forward, select
-from verispec.drafters.shipped import resolve
 
 BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 
@@ -103,26 +101,8 @@ def calibration_rows(tested: list[tuple[float, int, bool]]) -> list[str]:
     return rows
 
 
-def eagle3_parser(doc: str, max_tokens: int) -> argparse.ArgumentParser:
-    """The arguments of the EAGLE-3 replays (this script and sibling_acceptance.py): target, dtype, head, prompts
-    per workload and tokens per continuation."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--eagle3", default="smollm2-135m-instruct-eagle3", help="the EAGLE-3 head (shipped name or dir)")
-    ap.add_argument("--limit", type=int, default=4, help="prompts per workload")
-    ap.add_argument("--max-tokens", type=int, default=max_tokens)
-    return ap
-
-
-def load_eagle3(args: argparse.Namespace):
-    """(the target as an LLM, the EAGLE-3 head loaded beside it)."""
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", progress=False)
-    return llm, load_head(resolve(args.eagle3), llm.model)
-
-
 def main(argv=None) -> int:
-    ap = eagle3_parser(__doc__, 128)
+    ap = eagle3_study(__doc__, 128)
     ap.add_argument("--k", default="4,8,16", help="tree node budgets (= chain lengths)")
     args = ap.parse_args(argv)
     llm, head = load_eagle3(args)

@@ -7,7 +7,7 @@ Runs are interleaved (ours, HF, HF, ours, ...) and repeated; ratios are medians 
 It also times the pure matmul floor: the model's own linear layers alone (one token, same dtype), and reports our
 per-token decode time divided by that floor.
 
-    python benchmarks/decode.py --dtypes float32,bfloat16 --repeats 3 --max-tokens 64
+    python benchmarks/studies/decode.py --dtypes float32,bfloat16 --repeats 3 --max-tokens 64
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Conditions (MEASURE.md): one process, torch's thread count (all of them issue th
 random weights (speed does not depend on the values); metric: ms and rates as above; baseline: the two ceilings
 measured in the same run.
 
-    python benchmarks/kernel_roofline.py [--repeats 7] [--ms 1,2,4,8,16,32,64,128] [--json OUT]   (about 5 s)
+    python benchmarks/studies/kernel_roofline.py [--repeats 7] [--ms 1,2,4,8,16,32,64,128] [--json OUT]   (about 5 s)
 """
 
 from __future__ import annotations

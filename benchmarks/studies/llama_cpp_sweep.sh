@@ -35,8 +35,8 @@
 # `import llama_cpp.server` fails.
 #
 # Usage (from the repository root, with verispec installed in the active environment):
-#   bash benchmarks/llama_cpp_sweep.sh                       # all three sweeps, defaults below
-#   LEVELS=1,2,4 REQUESTS=24 MAX_TOKENS=96 SWEEPS="1 3" bash benchmarks/llama_cpp_sweep.sh
+#   bash benchmarks/studies/llama_cpp_sweep.sh                       # all three sweeps, defaults below
+#   LEVELS=1,2,4 REQUESTS=24 MAX_TOKENS=96 SWEEPS="1 3" bash benchmarks/studies/llama_cpp_sweep.sh
 #
 # `python -m verispec.cli bench sweep` is `verispec.bench.sweep` (add_sweep_args / run_sweep) behind the CLI.
 set -euo pipefail

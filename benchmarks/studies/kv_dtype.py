@@ -10,25 +10,22 @@ Conditions (MEASURE.md): one process, the default model on `dtype="auto"`, two e
   identical, and where the first difference falls.
 Baseline: the float32 cache, same prompts, same run.
 
-    python benchmarks/kv_dtype.py [--repeats 9] [--max-tokens 64] [--limit 6]      (about 4 minutes on 2 cores)
+    python benchmarks/studies/kv_dtype.py [--repeats 9] [--max-tokens 64] [--limit 6]      (about 4 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
 
 from verispec import LLM, SamplingParams
+from verispec.bench.common import prompt_pool
 from verispec.bench.load import MachineLoad
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.models.llama import Segment
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from serve_curve import prompt_pool  # noqa: E402
 
 
 def step_ms(llm: LLM, S: int, C: int, repeats: int) -> list[float]:

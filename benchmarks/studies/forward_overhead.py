@@ -13,7 +13,7 @@ whose bf16 / fp32 matmul cost grows with its row count. Per repeat the configura
 gives the median (and min) wall-clock ms per step and, for 4 and 16 sequences, the ms each sequence past the first
 adds: (t(B) - t(1)) / (B - 1).
 
-    python benchmarks/forward_overhead.py [--threads 2] [--repeats 5] [--context 200] [--paths gguf fp32]
+    python benchmarks/studies/forward_overhead.py [--threads 2] [--repeats 5] [--context 200] [--paths gguf fp32]
     (about 40 s on 2 cores)
 """
 

@@ -12,7 +12,7 @@ interleaved with the others in every repeat (order rotated); contexts: real ones
 the first prompts of each workload, anchors spread over each answer. Also: how often each arm drafts the torch
 arm's tokens (they round differently, so near-ties may differ; the target verifies either).
 
-    python benchmarks/drafting_cost.py --drafters smollm2-135m-instruct-dspark,smollm2-135m-instruct-dflash
+    python benchmarks/studies/drafting_cost.py --drafters smollm2-135m-instruct-dspark,smollm2-135m-instruct-dflash
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ path of the run (speculation is judged against the fastest plain configuration, 
 taken on the same prompt and repeat, median (min..max). Greedy identity: speculative tokens == plain tokens of
 the same path, bitwise.
 
-    python benchmarks/weight_paths.py --limit 1 --max-tokens 64 --repeats 2 [--dspark] --json paths.json
+    python benchmarks/studies/weight_paths.py --limit 1 --max-tokens 64 --repeats 2 [--dspark] --json paths.json
 """
 
 from __future__ import annotations

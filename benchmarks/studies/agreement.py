@@ -18,14 +18,14 @@ Conditions:
     reference continuation (T when none does), reported as median (min..max); identical = prompts whose T tokens
     all match. `tf_vs_gen` (footer) = positions where the reference's teacher-forced argmax equals the token its
     own engine decode chose (the one-forward vs step-by-step check of the reference itself).
-  - llama.cpp (optional, `--llama-logits TOOL`): benchmarks/llama_cpp_logits.cpp built against your own llama.cpp
+  - llama.cpp (optional, `--llama-logits TOOL`): benchmarks/studies/llama_cpp_logits.cpp built against your own llama.cpp
     build (see its header; llama.cpp is not a dependency) evaluates the same prompt + continuation on the same GGUF
     in one batch (its default context: f16 KV cache) and returns the logits at the same positions. It is compared
     with the reference like a path (a `llama.cpp` row: teacher-forced only, it does not decode), and every path is
     also compared with it (a second table: top-1 agreement and |logit diff| against llama.cpp's logits).
 
-    python benchmarks/agreement.py --limit 2 --tokens 64 [--llama-logits ./llama_cpp_logits] --json agreement.json
-    python benchmarks/agreement.py --paths fp32,gguf-q8act,gguf-q8act-fp16kv
+    python benchmarks/studies/agreement.py --limit 2 --tokens 64 [--llama-logits ./llama_cpp_logits] --json agreement.json
+    python benchmarks/studies/agreement.py --paths fp32,gguf-q8act,gguf-q8act-fp16kv
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def teacher_logits(llm: LLM, ids: list[int], n_prompt: int) -> torch.Tensor:
 
 
 def llama_logits(tool: str, gguf: str, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """float32 [T, vocab]: llama.cpp's logits predicting ids[n_prompt:] (benchmarks/llama_cpp_logits.cpp)."""
+    """float32 [T, vocab]: llama.cpp's logits predicting ids[n_prompt:] (benchmarks/studies/llama_cpp_logits.cpp)."""
     proc = subprocess.run([tool, gguf, str(torch.get_num_threads()), str(n_prompt - 1)],
                           input=" ".join(map(str, ids[:-1])).encode(), capture_output=True, timeout=600)
     if proc.returncode:
@@ -169,7 +169,7 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--limit", type=int, default=2, help="prompts per workload")
     p.add_argument("--tokens", type=int, default=64, help="T: continuation length")
-    p.add_argument("--llama-logits", default=None, help="benchmarks/llama_cpp_logits.cpp, built: adds llama.cpp")
+    p.add_argument("--llama-logits", default=None, help="benchmarks/studies/llama_cpp_logits.cpp, built: adds llama.cpp")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     records, diffs, sanity = run(args)

@@ -14,7 +14,7 @@ Conditions (MEASURE.md):
   - Baseline: the chain at the same k (a tree holds at most k nodes), same prompts and seeds, same run. The draws
     differ between arms, so a tau ratio carries sampling noise: more prompts or tokens narrow it.
 
-    python benchmarks/tree_sampled.py --drafters eagle3,dflash --k 4,7 --limit 4 --max-tokens 96
+    python benchmarks/studies/tree_sampled.py --drafters eagle3,dflash --k 4,7 --limit 4 --max-tokens 96
 """
 
 from __future__ import annotations

@@ -17,17 +17,17 @@ Conditions (MEASURE.md):
     4 siblings per position through the verifier's rule; the modelled tau of the best tree and of the chain.
   - Baseline: the chain at the same N, under the same rates. No timing.
 
-    python benchmarks/sibling_acceptance.py --limit 4 --max-tokens 96 --sims 16
+    python benchmarks/studies/sibling_acceptance.py --limit 4 --max-tokens 96 --sims 16
 """
 
 from __future__ import annotations
 
 import heapq
-import sys
 
 import torch
 
 from verispec import SamplingParams
+from verispec.bench.common import eagle3_study, load_eagle3
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.execution.features import select
@@ -35,8 +35,6 @@ from verispec.drafters.tree_growth import TREE_TOPK, draw_distinct
 from verispec.sampling import target_probs
 from verispec.execution.verify import residual
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from tree_calibration import eagle3_parser, load_eagle3  # noqa: E402 (a sibling script)
 
 
 def sibling_rates(p: torch.Tensor, q: torch.Tensor, sims: int, g: torch.Generator) -> tuple[list[int], list[int]]:
@@ -74,7 +72,7 @@ def modelled_tau(a: list[float], n: int) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = eagle3_parser(__doc__, 96)
+    ap = eagle3_study(__doc__, 96)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--sims", type=int, default=16, help="Monte Carlo rounds of siblings per position")
     ap.add_argument("--nodes", default="4,7,16", help="tree sizes to model")

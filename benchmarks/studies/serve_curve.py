@@ -8,7 +8,7 @@ The prompts are the shipped workloads, mixed (C * --per-slot of them per level, 
 greedy. At every level the policies run interleaved, in an order that rotates per repeat. Outputs are compared
 with speculation off: identical or a near-tie divergence, else it is flagged.
 
-    python benchmarks/serve_curve.py --dtype bfloat16 --concurrency 1,4,16,32 --max-tokens 48 --repeats 2
+    python benchmarks/studies/serve_curve.py --dtype bfloat16 --concurrency 1,4,16,32 --max-tokens 48 --repeats 2
 """
 
 from __future__ import annotations
@@ -20,21 +20,11 @@ import sys
 import time
 from collections import defaultdict
 
-from verispec import LLM, SamplingParams
+from verispec import LLM
 from verispec.bench.load import MachineLoad
 from verispec.config import KV_CACHE_DTYPES
-from verispec.bench.workloads import WORKLOADS, load_workload
+from verispec.bench.common import prompt_pool
 from verispec.check.identity import compare_greedy
-
-
-def prompt_pool(llm: LLM, n: int, max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
-    sets = [load_workload(w) for w in WORKLOADS]
-    pool = []
-    for i in range(n):
-        wp = sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])]
-        ids = llm.tokenizer(llm.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
-        pool.append((ids, SamplingParams(temperature=0, max_tokens=min(max_tokens, wp.max_tokens))))
-    return pool
 
 
 def run_level(llm: LLM, spec: dict | None, scheduler: str, conc: int, pool) -> dict:

@@ -12,7 +12,7 @@ Per M, the paths run interleaved (order rotated every repeat); the table gives t
 120 linears, cost(M)/cost(1) and the ratio to dense fp32 at the same M. The batch-invariance table gives, per path,
 the max |diff| between a row's output alone and the same row inside a batch of M other random rows (0 = bitwise).
 
-    python benchmarks/linear_paths.py [--repeats 5] [--threads 1] [--json OUT]     (about 30 s)
+    python benchmarks/studies/linear_paths.py [--repeats 5] [--threads 1] [--json OUT]     (about 30 s)
 """
 
 from __future__ import annotations

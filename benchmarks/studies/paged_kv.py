@@ -12,7 +12,7 @@ Conditions (MEASURE.md): concurrency as given (closed batch: every request submi
 decoding together); metric: KV bytes at peak / TTFT (submission to first token) and wall time; baseline: the same
 engine with one slot per request (part 1, computed) and prefix caching off (part 2, measured in the same run).
 
-    python benchmarks/paged_kv.py --concurrency 128 --max-model-len 4096 --sharing 32 --system-tokens 1000
+    python benchmarks/studies/paged_kv.py --concurrency 128 --max-model-len 4096 --sharing 32 --system-tokens 1000
 """
 
 from __future__ import annotations

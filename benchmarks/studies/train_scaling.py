@@ -11,8 +11,8 @@ Conditions (MEASURE.md):
     cores // W threads each. Runs are interleaved (world, precision) by (world, precision) within each repeat;
     medians over --repeats, ratios to the baseline's median; the last loss of each run beside it.
 
-    python benchmarks/train_scaling.py --data DIR --method dflash --steps 20 --worlds 1,2 --repeats 3
-    python benchmarks/train_scaling.py --data DIR --method eagle3 --steps 24 --worlds 1 --amps off,bf16
+    python benchmarks/studies/train_scaling.py --data DIR --method dflash --steps 20 --worlds 1,2 --repeats 3
+    python benchmarks/studies/train_scaling.py --data DIR --method eagle3 --steps 24 --worlds 1 --amps off,bf16
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ prompt and repeat). Metric: output tok/s of one stream, prefill included; tau = 
 it (prefill left out). Baseline: plain decoding on the same prompt and repeat (ratio per pair, median
 and min..max); identity: every arm's output against plain's.
 
-    python benchmarks/cost_bound.py --limit 4 --repeats 2      (about 5 minutes on a 2-core CPU)
+    python benchmarks/studies/cost_bound.py --limit 4 --repeats 2      (about 5 minutes on a 2-core CPU)
 """
 
 from __future__ import annotations
