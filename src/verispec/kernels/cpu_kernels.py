@@ -68,15 +68,18 @@ class Library:
         return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}{prefetch}, "
                 f"{'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}")
 
-    def linear(self, packed: torch.Tensor, kind: str, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
-               reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
+    def linear(self, packed: torch.Tensor, kind: str | torch.Tensor, n: int, k: int, x: torch.Tensor,
+               out: torch.Tensor, reference: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
                residual: torch.Tensor | None = None, swiglu: bool = False, body: str | None = None) -> None:
-        """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (kernels/q8act.py's layout), plus
+        """out [M, N] = x' [M, K] times the packed [N, K] weight's transpose (kernels/q8act.py's layout; `kind` its
+        format, or an int64 [parts, 3] layout of parts stacked along N: C kind, rows, byte offset), plus
         `residual` (float32 [M, N]) when given; x' = x, or RMSNorm(x) * norm (float32 [K]) with `eps` when `norm`
         is given, or silu(gate) * up of a float32 x = [gate | up] ([M, 2K]) when `swiglu`. x and out: contiguous
         CPU float32 or bfloat16. `body`: one of `bodies` (default: the active one); `reference`: the portable."""
         code = self._code("portable") if reference else self._code(body) if body is not None else 0
-        rc = self.lib.vs_linear(packed.data_ptr(), KINDS[kind], n, k, x.data_ptr(), x.dtype == torch.bfloat16,
+        layout = torch.tensor([KINDS[kind], n, 0], dtype=torch.int64) if isinstance(kind, str) else kind
+        rc = self.lib.vs_linear(packed.data_ptr(), layout.data_ptr(), layout.numel() // 3, n, k, x.data_ptr(),
+                                x.dtype == torch.bfloat16,
                                 x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(),
                                 code, None if norm is None else norm.data_ptr(), eps,
                                 None if residual is None else residual.data_ptr(), swiglu)
@@ -165,7 +168,7 @@ def _at_level(set_level: Callable[[int], int], codes: dict[str, int], what: str,
 def _declare(lib: ctypes.CDLL) -> None:
     """The C functions' argument and result types (csrc/cpu.c), so that ctypes passes 64-bit sizes and pointers."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.vs_linear.argtypes = [p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p, i32]
+    lib.vs_linear.argtypes = [p, p, i32, i64, i64, p, i32, i64, p, i32, i32, i32, p, ctypes.c_float, p, i32]
     lib.vs_linear.restype = i32
     lib.vs_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, i64,
                                  ctypes.c_float, p, i32, i32]

@@ -1,11 +1,12 @@
-"""A kernel path: a GGUF file's own weight blocks (Q4_0, Q4_1, Q8_0) times activations quantised to int8 per
-block of 32, on verispec's own CPU kernel (csrc/cpu.c, built by kernels/cpu_build.py). This is the
+"""A kernel path: a GGUF file's own weight blocks (Q4_0, Q4_1, Q8_0, and repacked exactly by kernels/kquant.py Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K) times activations quantised to int8 per block of 32, on verispec's own CPU kernel (csrc/cpu.c, built by kernels/cpu_build.py). This is the
 arithmetic llama.cpp runs on a CPU: the weights are exactly the file's, the activations are rounded to 8 bits
 with one scale per 32 values of a row, and the products are summed in integers. A row's result depends on that
 row alone (per-row, per-block scales; a fixed order per output), so it is batch-invariant by construction.
 
 The blocks are kept byte for byte; only their order changes: eight output rows are interleaved per block
-("x8" tiles, see the C source) so that one vector's lanes are eight outputs.
+("x8" tiles, see the C source) so that one vector's lanes are eight outputs. A weight may stack parts of different
+formats along N (a mixed file's q, k, v): each part runs on its own blocks.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from verispec.kernels import kquant
 from verispec.kernels.cpu_build import KINDS
 from verispec.kernels.cpu_kernels import load
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF's block sizes
+# every format the kernel runs -> (elements, bytes) of its file blocks
+FILE_BLOCKS: dict[str, tuple[int, int]] = {**{k: (BLOCK, b) for k, b in BLOCK_BYTES.items()}, **kquant.FILE_BLOCKS}
 ROWS = 8  # output rows interleaved per tile
 
 
@@ -53,26 +57,39 @@ class Q8ActWeight(nn.Module):
 
     fuses_norm = True
 
-    def __init__(self, raw: np.ndarray | torch.Tensor, kind: str, n: int, k: int) -> None:
-        """raw: uint8 [N, K/32 * block bytes], the GGUF tensor's rows (already in the model's row order)."""
+    def __init__(self, raw: np.ndarray | torch.Tensor, kind: str, n: int, k: int,
+                 more: Sequence[tuple[np.ndarray, str]] = ()) -> None:
+        """raw: uint8 [N, K / block * block bytes], the GGUF tensor's rows (already in the model's row order), in
+        format `kind`; `more`: further (raw rows, kind) parts stacked below it along N (see `stacked`)."""
         super().__init__()
-        if kind not in KINDS:
-            raise ValueError(f"unsupported block format {kind!r}; supported: {', '.join(KINDS)}")
-        raw = np.asarray(raw, dtype=np.uint8)
-        if raw.shape != (n, k // BLOCK * BLOCK_BYTES[kind]) or k % BLOCK:
-            raise ValueError(f"{kind} weight [{n}, {k}]: got raw rows {raw.shape}")
-        self.kind, self.n, self.k = kind, n, k
+        parts = [(np.asarray(raw, dtype=np.uint8), kind)] + [(np.asarray(r, np.uint8), f) for r, f in more]
+        for i, (r, f) in enumerate(parts):
+            if f not in KINDS:
+                raise ValueError(f"unsupported block format {f!r}; supported: {', '.join(KINDS)}")
+            elems, size = FILE_BLOCKS[f]
+            if k % elems or r.ndim != 2 or r.shape[1] != k // elems * size or (i == 0 and r.shape[0] != n):
+                raise ValueError(f"{f} weight [{n if i == 0 else '?'}, {k}]: got raw rows {r.shape}")
+        # consecutive parts of one format run as one
+        merged: list[tuple[np.ndarray, str]] = []
+        for r, f in parts:
+            merged[-1:] = [(np.concatenate([merged[-1][0], r]), f)] if merged and merged[-1][1] == f else [
+                *merged[-1:], (r, f)]
+        tiles = [tile_rows(r, f) if f in BLOCK_BYTES else kquant.pack(r, f) for r, f in merged]
+        offsets = np.cumsum([0] + [t.nbytes for t in tiles])
+        self.kind = "+".join(f for _, f in merged)
+        self.n, self.k = sum(r.shape[0] for r, _ in merged), k
         load()  # built (or found) now, so a missing compiler fails at load time, not mid-forward
-        self.register_buffer("tiles", torch.from_numpy(tile_rows(raw, kind)))
+        packed = tiles[0] if len(tiles) == 1 else np.concatenate([t.reshape(-1) for t in tiles])
+        self.register_buffer("tiles", torch.from_numpy(packed))
+        self.register_buffer("layout", torch.tensor([[KINDS[f], r.shape[0], int(o)] for (r, f), o in
+                                                     zip(merged, offsets)], dtype=torch.int64))
 
     @classmethod
     def stacked(cls, parts: Sequence[tuple[np.ndarray, str]], k: int) -> Q8ActWeight:
-        """Weights of one format stacked along N (e.g. q, k, v): parts of (raw rows, kind)."""
-        kinds = {kind for _, kind in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"stacked parts must share one block format, got {sorted(kinds)}")
-        raw = np.concatenate([np.asarray(r, np.uint8) for r, _ in parts])
-        return cls(raw, kinds.pop(), raw.shape[0], k)
+        """Weights stacked along N (e.g. q, k, v): parts of (raw rows, kind), each running on its own format (the
+        activations are quantised once for all of them)."""
+        (first, kind), *more = [(np.asarray(r, np.uint8), f) for r, f in parts]
+        return cls(first, kind, first.shape[0], k, more)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, kind: str = "Q8_0") -> Q8ActWeight:
@@ -115,7 +132,7 @@ class Q8ActWeight(nn.Module):
                                      or residual.shape != (x.shape[0], self.n) or not residual.is_contiguous()):
             raise ValueError(f"q8act matmul: the residual must be a contiguous float32 [{x.shape[0]}, {self.n}]")
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        load().linear(self.tiles, self.kind, self.n, self.k, x, out, reference, norm, eps, residual, swiglu)
+        load().linear(self.tiles, self.layout, self.n, self.k, x, out, reference, norm, eps, residual, swiglu)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from typing import Sequence
 import torch
 
 from verispec.config import ModelConfig
-from verispec.kernels.cpu_build import KINDS
 from verispec.kernels.cpu_kernels import Library, load
 from verispec.kernels.q8act import Q8ActWeight
 from verispec.models.tree import ancestor_mask, depths
@@ -30,8 +29,9 @@ TREE_ROWS = 64  # a tree block's rows are one bit each of a 64-bit mask
 
 
 class _Layer(ctypes.Structure):  # csrc/cpu.c's vs_layer
-    _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_kind", _i32), ("o_kind", _i32),
-                ("gate_up_kind", _i32), ("down_kind", _i32), ("attn_norm", _p), ("mlp_norm", _p), ("window", _i64)]
+    _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_layout", _p), ("o_layout", _p),
+                ("gate_up_layout", _p), ("down_layout", _p), ("qkv_parts", _i32), ("o_parts", _i32),
+                ("gate_up_parts", _i32), ("down_parts", _i32), ("attn_norm", _p), ("mlp_norm", _p), ("window", _i64)]
 
 
 def _array(ctype: type, values: Sequence[int]) -> ctypes.Array:
@@ -46,15 +46,16 @@ class DecoderKernel:
         self.cfg, self.lib = cfg, lib
         # the tensors the table points into stay alive with it; a model moved or cast since (new tensors) is
         # no longer covered (`covers` compares the first layer's norm and qkv tiles with the ones built on)
-        self._keep = [getattr(L, n) if n in ("attn_norm", "mlp_norm") else getattr(L, n).tiles for L in layers
-                      for n in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")]
+        names = ("qkv", "o", "gate_up", "down")
+        self._keep = [getattr(L, n) for L in layers for n in names] + [L.attn_norm for L in layers] + [
+            L.mlp_norm for L in layers]
         self._first = layers[0]
         self._built_on = (self._first.attn_norm, self._first.qkv.tiles)
         self._windows = {cfg.layer_window(i) for i in range(len(layers))}
         self._table = (_Layer * len(layers))(*[
-            _Layer(L.qkv.tiles.data_ptr(), L.o.tiles.data_ptr(), L.gate_up.tiles.data_ptr(), L.down.tiles.data_ptr(),
-                   KINDS[L.qkv.kind], KINDS[L.o.kind], KINDS[L.gate_up.kind], KINDS[L.down.kind],
-                   L.attn_norm.data_ptr(), L.mlp_norm.data_ptr(), cfg.layer_window(i) or 0)
+            _Layer(*[getattr(L, n).tiles.data_ptr() for n in names], *[getattr(L, n).layout.data_ptr() for n in names],
+                   *[getattr(L, n).layout.shape[0] for n in names], L.attn_norm.data_ptr(), L.mlp_norm.data_ptr(),
+                   cfg.layer_window(i) or 0)
             for i, L in enumerate(layers)])
 
     @classmethod

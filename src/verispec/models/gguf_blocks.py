@@ -1,4 +1,6 @@
-"""GGUF weight formats: a tensor's raw Q4_0 / Q4_1 / Q8_0 blocks, unpacked as they are stored.
+"""GGUF weight formats: a tensor's raw Q4_0 / Q4_1 / Q8_0 blocks, unpacked as they are stored; and the raw rows of
+every block format verispec's CPU kernel runs (`KERNEL_FORMATS`: those three, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, repacked
+by kernels/kquant.py).
 
 Every format here groups 32 consecutive elements of a row (along K, the input dimension) into one block:
   Q4_0: fp16 d, 16 bytes of nibbles          w = (q - 8) * d        q in 0..15
@@ -17,12 +19,22 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 
+from verispec.kernels.cpu_build import KINDS
 from verispec.models.gguf_index import GGUFIndex
 
 BLOCK = 32  # elements per block, along K
 # format name -> (bytes per block, whether the block stores a min m after d)
 FORMATS: dict[str, tuple[int, bool]] = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}
+# every format verispec's CPU kernel runs natively -> (elements, bytes) per block, as GGML defines them
+KERNEL_FORMATS: dict[str, tuple[int, int]] = {k: GGML_QUANT_SIZES[GGMLQuantizationType[k]] for k in KINDS}
+
+
+def bits_per_weight(kind: str) -> float:
+    """A GGML type's stored bits per weight (F32 32, Q4_K 4.5, ...)."""
+    elems, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    return 8 * size / elems
 
 
 @dataclass(frozen=True)
@@ -86,17 +98,17 @@ def tensor_kind(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -
 
 
 def raw_rows(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -> tuple[np.ndarray, str, int]:
-    """Tensor `name` of a GGUF file as stored: (uint8 [N, K / 32 * block bytes] rows of blocks, its GGML type
-    name, K). Only for block formats (FORMATS)."""
+    """Tensor `name` of a GGUF file as stored: (uint8 [N, K / block * block bytes] rows of blocks, its GGML type
+    name, K). Only for the formats verispec's kernel runs (KERNEL_FORMATS)."""
     if isinstance(source, GGUFReader):
         t = _tensor(source, name)
         kind, shape, data = GGMLQuantizationType(t.tensor_type).name, tuple(int(x) for x in t.shape), t.data
     else:
         index = _index(source)
         e = index.entry(name)
-        kind, shape, data = e.kind, e.shape, index.data(name) if e.kind in FORMATS else None
-    if kind not in FORMATS:
-        raise ValueError(f"{name} is {kind}; block formats: {', '.join(FORMATS)}")
+        kind, shape, data = e.kind, e.shape, index.data(name) if e.kind in KERNEL_FORMATS else None
+    if kind not in KERNEL_FORMATS:
+        raise ValueError(f"{name} is {kind}; block formats: {', '.join(KERNEL_FORMATS)}")
     k = shape[0]  # GGUF's ne: innermost (K) first
     n = int(np.prod(shape[1:]))
     return np.asarray(data).reshape(n, -1), kind, k

@@ -2,26 +2,30 @@
 the file's own blocks (no requantisation).
 - `quantization="gguf"` (`quantize_from_gguf`, bf16): every linear whose GGUF tensors are all Q4_0 / Q4_1 becomes
   an `Int4Weight` (kernels/int4.py: aten's CPU int4 kernel, bf16 activations). The head stays dense.
-- `quantization="gguf-q8act"` (`quantize_q8act`, fp32 activations): every linear whose GGUF tensors share one of
-  Q4_0 / Q4_1 / Q8_0 becomes a `Q8ActWeight` (kernels/q8act.py: verispec's kernel, int8 activations per 32, as
-  llama.cpp computes), and so does the output head (the tied embedding's blocks, or `output.weight`); attention
-  runs on verispec's fp32 CPU kernel (`Library.attention`).
+- `quantization="gguf-q8act"` (`quantize_q8act`, fp32 activations): every linear whose GGUF tensors are in the
+  kernel's formats (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K, any mix: each part of a fused weight
+  runs on its own format) becomes a `Q8ActWeight` (kernels/q8act.py: verispec's kernel, int8 activations per 32),
+  and so does the output head (the tied embedding's blocks, or `output.weight`); attention runs on verispec's fp32
+  CPU kernel (`Library.attention`).
 Fused weights stack their parts along N as the HF loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp
 stores a "llama" model's q and k rows permuted for its RoPE layout; they are un-permuted here exactly as
 transformers' GGUF loader does, so row i of every weight is the dense model's row i. Norms, biases and the
-embedding stay dense; a linear in any other format (K-quants, F16) stays dense too.
+embedding stay dense; a linear in any other format (F16, Q2_K, Q3_K, IQ4_*) stays dense too, and says so on
+stderr with its expected cost (`dense_fallbacks`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Callable, Iterator
 
 import numpy as np
 from torch import nn
 
 from verispec.kernels.int4 import GROUP, N_MULTIPLE, Int4Weight
-from verispec.models.gguf_blocks import FORMATS, Blocks, raw_rows, read_blocks, tensor_kind
+from verispec.models.gguf_blocks import KERNEL_FORMATS, Blocks, bits_per_weight, raw_rows, read_blocks, tensor_kind
 from verispec.models.gguf_index import GGUFIndex
 from verispec.models.llama import LlamaModel
 
@@ -92,23 +96,62 @@ def gguf_block_linears(gguf_path: str | os.PathLike | None) -> bool:
         return False
     reader = GGUFIndex.open(gguf_path)
     names = [f"blk.0.{p}.weight" for parts in FUSED.values() for p in parts]
+    report_fallbacks(str(gguf_path))
     try:
-        return all(tensor_kind(reader, n) in FORMATS for n in names)
+        return all(tensor_kind(reader, n) in KERNEL_FORMATS for n in names)
     except KeyError:
         return False
 
 
+DENSE_FORMATS = ("F32", "F16", "BF16")  # dense in the file already: nothing is lost by running them dense
+
+
+def dense_fallbacks(gguf_path: str | os.PathLike) -> dict[str, int]:
+    """Quantised formats of the file's linear and head weights that verispec's kernel has no body for -> how many
+    tensors: those run dense (bf16 under dtype auto) instead of on their blocks."""
+    reader = GGUFIndex.open(gguf_path)
+    linear = {f"{p}.weight" for parts in FUSED.values() for p in parts}
+    head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"  # tied: the embedding
+    out: dict[str, int] = {}
+    for name, e in reader.tensors.items():
+        if name.split(".", 2)[-1] in linear or name == head:
+            if e.kind not in KERNEL_FORMATS and e.kind not in DENSE_FORMATS:
+                out[e.kind] = out.get(e.kind, 0) + 1
+    return out
+
+
+def fallback_note(fallbacks: dict[str, int]) -> str:
+    """One line for people: which formats fall back to dense bf16 and what that costs in bytes read per token."""
+    costs = ", ".join(f"{n} {k} tensor{'s' if n > 1 else ''} ({bits_per_weight(k):.2f} bits/weight: dense bf16 "
+                      f"reads x{16 / bits_per_weight(k):.1f} the bytes)" for k, n in sorted(fallbacks.items()))
+    return (f"no native CPU kernel body for {costs}; they run dense, and a model whose layers are not all native "
+            f"runs wholly on dense bf16: expect decode several times slower than on Q4_K / Q6_K / Q8_0 blocks")
+
+
+@functools.cache
+def report_fallbacks(gguf_path: str) -> None:
+    """Say once per file on stderr which of its quantised formats fall back to dense (`fallback_note`)."""
+    try:
+        found = dense_fallbacks(gguf_path)
+    except (OSError, ValueError, KeyError):
+        return
+    if found:
+        print(f"verispec: {os.path.basename(gguf_path)}: {fallback_note(found)}", file=sys.stderr, flush=True)
+
+
 def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
-    place (a CPU model loaded from that file). Returns how many were replaced, the head included."""
+    place (a CPU model loaded from that file). Returns how many were replaced, the head included. Each part of a
+    fused weight keeps its own format (a Q4_K_M's v rows may be Q6_K beside Q4_K q and k rows)."""
     from verispec.kernels.cpu_kernels import load
     from verispec.models.decoder_kernel import DecoderKernel
     from verispec.kernels.q8act import Q8ActWeight
 
     reader = GGUFIndex.open(gguf_path)
     replaced = 0
-    for i, layer in enumerate(model.layers):  # parts of mixed or non-block formats stay dense
-        for fused, parts in _fused_tensors(reader, model, i, lambda kinds: len(kinds) == 1 and kinds <= set(FORMATS)):
+    report_fallbacks(str(gguf_path))
+    for i, layer in enumerate(model.layers):  # a fused weight with a part in another format stays dense
+        for fused, parts in _fused_tensors(reader, model, i, lambda kinds: kinds <= set(KERNEL_FORMATS)):
             rows = []
             for name, h in parts:
                 raw, kind, k = raw_rows(reader, name)
@@ -119,7 +162,7 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
             _swap(layer, fused, packed)
             replaced += 1
     head = "token_embd.weight" if model.lm_head is None else "output.weight"
-    if tensor_kind(reader, head) in FORMATS:
+    if tensor_kind(reader, head) in KERNEL_FORMATS:
         raw, kind, k = raw_rows(reader, head)
         model.head_weight = Q8ActWeight(raw, kind, raw.shape[0], k)
         replaced += 1

@@ -17,6 +17,22 @@
  * and out = acc + mins. Each output element is computed by one thread in this order whatever the number of rows M,
  * the other rows or the thread count: a row's result never depends on its batch (batch invariance).
  *
+ * Five more formats are repacked at load (kernels/kquant.py) into the same 4-bit x8 quant groups, the bits above
+ * the fourth in planes beside them, their scales widened exactly to fp32 where they were products:
+ *   Q5_0 (w = (q - 16) d), Q5_1 (w = q d + m), q 5-bit: per 32 a tile d[8] fp16 | m[8] (Q5_1) | 128 nibble bytes
+ *     | 32 bytes of high bits (bit G of byte [row][e] = bit 4 of element 4G + e);
+ *   Q4_K, Q5_K (w = d sc_j q - dmin m_j per 32-element sub-block j of 256): per 8 rows x 256 a superblock
+ *     d[8] fp32 | -dmin[8] fp32 | sc[8 sub-blocks][8 rows] u8 | m[8][8] u8 | 8 x (128 nibble bytes | 32 high bytes
+ *     (Q5_K)); a sub-block is then a 32-block of scale d sc_j and min -dmin m_j, both exact in fp32;
+ *   Q6_K (w = d sc_h (q - 32) per 16-element half h): d[8] fp32 | sc[16 halves][8 rows] s8 | 8 x (128 nibble bytes
+ *     | 64 bytes of 2 high bits: groups 0..3 then 4..7, bits 2(G % 4) .. + 1).
+ * For those, per block (G: groups of 4 elements, S: the exact integer sum of q_w q_x):
+ *   Q5_0 / Q5_1 / Q4_K / Q5_K: as Q4_1 with their d and m (acc = fma(float(S), d * s_x, acc), mins = fma(m, ss))
+ *   Q6_K: I = sc_a (S_a - 32 X_a) + sc_b (S_b - 32 X_b) over the block's halves (X: their sums of q_x), exact in
+ *     int32; acc = fma(float(I), d * s_x, acc).
+ * A weight may be several parts stacked along N, each in its own format (`layout`: kind, rows, byte offset per
+ * part): a mixed file's fused q|k|v runs each tensor on its own blocks with the activations quantised once.
+ *
  * Three bodies: the portable one (plain C, the reference), the AVX2 + FMA + F16C one and, where the CPU has
  * AVX-512 F / BW / VL / VNNI, one that takes two tiles per 512-bit vector (16 outputs) and sums with vpdpbusd; the
  * tests hold each to the portable one bit for bit, so choosing among them (vs_set_body) changes only the speed.
@@ -38,10 +54,29 @@
 #endif
 
 #define QK 32
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, NKINDS = 8 };
+static const int TILE_BYTES[NKINDS] = {144, 160, 272, 176, 192, 1216, 1472, 1696};
 
-/* bytes of one x8 tile (8 rows x 32 elements) */
-int vs_tile_bytes(int kind) { return kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : kind == Q8_0 ? 272 : -1; }
+/* bytes of one x8 tile (8 rows x 32 elements), or of one 8-row superblock (8 rows x 256) of a K-quant */
+int vs_tile_bytes(int kind) { return kind >= 0 && kind < NKINDS ? TILE_BYTES[kind] : -1; }
+
+static inline int kquant(int kind) { return kind >= Q4_K; }
+
+/* the tile (32-block kinds) or superblock (K-quants) holding group g's block b, of nb blocks per row */
+static inline const uint8_t *tile_at(const uint8_t *w, int kind, int64_t nb, int64_t g, int64_t b) {
+    return kquant(kind) ? w + (g * (nb / 8) + b / 8) * TILE_BYTES[kind] : w + (g * nb + b) * TILE_BYTES[kind];
+}
+
+/* from tile_at to block b's 128 nibble bytes (the new kinds; their high-bit planes follow them) */
+static inline int64_t quant_off(int kind, int64_t b) {
+    switch (kind) {
+    case Q5_1: return 32;
+    case Q4_K: return 192 + (b % 8) * 128;
+    case Q5_K: return 192 + (b % 8) * 160;
+    case Q6_K: return 160 + (b % 8) * 192;
+    default: return 16;
+    }
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
@@ -120,7 +155,8 @@ int vs_to_f16(const float *x, int64_t n, uint16_t *out, int portable) {
  * [K/32] sum(q): per block
  * of 32, d = amax / 127, q = round-half-even(x * (1 / d)). The AVX2 lines compute the same values: max is exact
  * (a NaN ignored, as fmaxf does), x * inv is one IEEE product, and its rounding is nearbyintf's */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s, float *ss, int32_t *qsum) {
+static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float *s, float *ss, int32_t *qsum,
+                         int32_t *q16) {
 #ifdef VS_AVX2
     /* whole vectors: a block's four in registers, its 32 int8 stored by two packs (the values are in -127..127,
      * so the packs' saturation never acts) and one permutation back into element order */
@@ -141,20 +177,22 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
         for (int j = 0; j < 8; j++) amax = l[j] > amax ? l[j] : amax;
         const float d = amax / 127.0f;
         const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        __m256i qi[4], acc = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++)
             qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            acc = _mm256_add_epi32(acc, qi[i]);
-        }
+        const __m256i a01 = _mm256_add_epi32(qi[0], qi[1]), a23 = _mm256_add_epi32(qi[2], qi[3]);
         const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, order));
-        int32_t t[8], sum = 0;
-        _mm256_storeu_si256((__m256i *)t, acc);
-        for (int k = 0; k < 8; k++) sum += t[k];
+        int32_t t[8], u[8], lo = 0, hi = 0;
+        _mm256_storeu_si256((__m256i *)t, a01);
+        _mm256_storeu_si256((__m256i *)u, a23);
+        for (int k = 0; k < 8; k++) lo += t[k], hi += u[k];
+        const int32_t sum = lo + hi;
         s[b] = d;
         ss[b] = d * (float)sum;
         qsum[b] = sum;
+        q16[2 * b] = lo, q16[2 * b + 1] = hi;
     }
 #else
     for (int64_t b = 0; b < K / QK; b++) {
@@ -162,7 +200,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
         for (int j = 0; j < QK; j++)
             v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
         float amax = 0.0f;
-        int sum = 0;
+        int sum = 0, lo = 0;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
         const float d = amax / 127.0f;
         const float inv = d != 0.0f ? 1.0f / d : 0.0f;
@@ -170,10 +208,12 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int8_t *q, float 
             const int qj = (int)nearbyintf(v[j] * inv);
             q[b * QK + j] = (int8_t)qj;
             sum += qj;
+            if (j < 16) lo += qj;
         }
         s[b] = d;
         ss[b] = d * (float)sum;
         qsum[b] = sum;
+        q16[2 * b] = lo, q16[2 * b + 1] = sum - lo;
     }
 #endif
 }
@@ -184,6 +224,7 @@ typedef struct {
     void *p;
     int bf16;
     const float *res;
+    int64_t ld; /* elements between rows of p and res (a part of a stacked weight writes its own columns) */
 } dest;
 
 static inline void store(const dest *o, int64_t i, float v) {
@@ -201,6 +242,7 @@ typedef struct {
     const float *s;  /* [M, K/32] */
     const float *ss; /* [M, K/32] */
     const int32_t *qsum; /* [M, K/32]: each block's sum of q (exact) */
+    const int32_t *q16; /* [M, K/16]: each half block's sum of q (exact) */
     const int8_t *qb; /* [M, K/4, 32], the AVX2 body only: each group of 4 of q repeated 8 times (32-byte aligned) */
 } qrows;
 
@@ -214,6 +256,35 @@ static inline int32_t tile_quant(const uint8_t *qs, int kind, int i, int j) {
 
 static inline float tile_half(const uint8_t *p, int i) { uint16_t h; memcpy(&h, p + 2 * i, 2); return f16_to_f32(h); }
 
+/* element j of row i of a new kind's block (qs: its nibble bytes, the high-bit planes after them) */
+static inline int32_t gen_quant(const uint8_t *qs, int kind, int i, int j) {
+    const int jj = j & 15, G = j / 4, e = j % 4;
+    int32_t v = (qs[(jj / 4) * 32 + i * 4 + e] >> (j < 16 ? 0 : 4)) & 15;
+    if (kind == Q6_K) v |= ((qs[128 + (G / 4) * 32 + i * 4 + e] >> (2 * (G % 4))) & 3) << 4;
+    else if (kind != Q4_K) v |= ((qs[128 + i * 4 + e] >> G) & 1) << 4;
+    return v;
+}
+
+static inline float tile_f32(const uint8_t *p, int i) { float f; memcpy(&f, p + 4 * i, 4); return f; }
+
+/* row i's scale d and min m of block b of a new kind's tile t, or (Q6_K) d and its halves' scales sa, sb */
+static inline void gen_params(const uint8_t *t, int kind, int64_t b, int i, float *d, float *m, int32_t *sa,
+                              int32_t *sb) {
+    const int j = (int)(b % 8);
+    *sa = *sb = 0;
+    *m = 0.0f;
+    if (kind == Q5_0) { *d = tile_half(t, i); *m = -16.0f * *d; }
+    else if (kind == Q5_1) { *d = tile_half(t, i); *m = tile_half(t + 16, i); }
+    else if (kind == Q6_K) {
+        *d = tile_f32(t, i);
+        *sa = (int8_t)t[32 + 16 * j + i];
+        *sb = (int8_t)t[40 + 16 * j + i];
+    } else { /* Q4_K, Q5_K: d sc_j and -dmin m_j, products exact in fp32 */
+        *d = tile_f32(t, i) * (float)t[64 + 8 * j + i];
+        *m = tile_f32(t + 32, i) * (float)t[128 + 8 * j + i];
+    }
+}
+
 /* --- the portable body: the reference arithmetic --- */
 static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, const dest *o) {
     const int64_t nb = K / QK, tb = vs_tile_bytes(kind), qoff = kind == Q4_1 ? 32 : 16;
@@ -222,7 +293,24 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
         const int i = (int)(n % 8);
         for (int64_t r = 0; r < M; r++) {
             float acc = 0.0f, mins = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
+            for (int64_t b = 0; kind >= Q5_0 && b < nb; b++) {
+                const uint8_t *t = tile_at(w, kind, nb, n / 8, b), *qs = t + quant_off(kind, b);
+                const int8_t *qx = x->q + r * K + b * QK;
+                const int64_t rb = r * nb + b;
+                float d, m;
+                int32_t sa, sb, lo = 0, hi = 0;
+                gen_params(t, kind, b, i, &d, &m, &sa, &sb);
+                for (int j = 0; j < 16; j++) lo += gen_quant(qs, kind, i, j) * (int32_t)qx[j];
+                for (int j = 16; j < QK; j++) hi += gen_quant(qs, kind, i, j) * (int32_t)qx[j];
+                if (kind == Q6_K) {
+                    const int32_t I = sa * (lo - 32 * x->q16[2 * rb]) + sb * (hi - 32 * x->q16[2 * rb + 1]);
+                    acc = fmaf((float)I, d * x->s[rb], acc);
+                } else {
+                    acc = fmaf((float)(lo + hi), d * x->s[rb], acc);
+                    mins = fmaf(m, x->ss[rb], mins);
+                }
+            }
+            for (int64_t b = 0; kind < Q5_0 && b < nb; b++) {
                 const uint8_t *t = w + ((n / 8) * nb + b) * tb;
                 const int8_t *qx = x->q + r * K + b * QK;
                 int32_t sum = 0;
@@ -231,7 +319,7 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
                 acc = fmaf((float)sum, d * sx, acc);
                 if (kind != Q8_0) mins = fmaf(kind == Q4_1 ? tile_half(t + 16, i) : -8.0f * d, x->ss[r * nb + b], mins);
             }
-            store(o, r * N + n, acc + mins);
+            store(o, r * o->ld + n, acc + mins);
         }
     }
 }
@@ -306,6 +394,96 @@ static inline __m256i tile_dot_vnni(const __m256i *wv, const int8_t *xb, int32_t
 }
 #endif
 
+/* v's 16-bit lanes shifted left by s (right by -s): within a byte, the bits a plane mask keeps never cross */
+static inline __m256i shift16(__m256i v, int s) {
+    return s >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-s));
+}
+
+/* a new kind's block: its 8 quant vectors wv[G] (the 8 rows' levels of elements 4G .. 4G + 3, unsigned) from the
+ * nibble bytes at qs and the high-bit planes after them */
+static inline __attribute__((always_inline)) void gen_unpack8(const uint8_t *qs, const int kind, __m256i *wv) {
+    const __m256i lo = _mm256_set1_epi8(15);
+    for (int k = 0; k < 4; k++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+        wv[k] = _mm256_and_si256(v, lo);
+        wv[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+    }
+    if (kind == Q6_K) {
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(qs + 128)),
+                      h1 = _mm256_loadu_si256((const __m256i *)(qs + 160)), m = _mm256_set1_epi8(0x30);
+        for (int G = 0; G < 4; G++) {
+            wv[G] = _mm256_or_si256(wv[G], _mm256_and_si256(shift16(h0, 4 - 2 * G), m));
+            wv[G + 4] = _mm256_or_si256(wv[G + 4], _mm256_and_si256(shift16(h1, 4 - 2 * G), m));
+        }
+    } else if (kind != Q4_K) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(qs + 128)), m = _mm256_set1_epi8(0x10);
+        for (int G = 0; G < 8; G++) wv[G] = _mm256_or_si256(wv[G], _mm256_and_si256(shift16(h, 4 - G), m));
+    }
+}
+
+static inline __m256 u8_to_ps(const uint8_t *p) { /* 8 bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* gen_params for the 8 rows of tile t at once (the same values) */
+static inline __attribute__((always_inline)) void gen_params8(const uint8_t *t, const int kind, int64_t b,
+        __m256 *d, __m256 *m, __m256i *sa, __m256i *sb) {
+    const int j = (int)(b % 8);
+    if (kind == Q5_0 || kind == Q5_1) {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        *m = kind == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)))
+                          : _mm256_mul_ps(*d, _mm256_set1_ps(-16.0f));
+    } else if (kind == Q6_K) {
+        *d = _mm256_loadu_ps((const float *)t);
+        *sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 32 + 16 * j)));
+        *sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 40 + 16 * j)));
+    } else {
+        *d = _mm256_mul_ps(_mm256_loadu_ps((const float *)t), u8_to_ps(t + 64 + 8 * j));
+        *m = _mm256_mul_ps(_mm256_loadu_ps((const float *)(t + 32)), u8_to_ps(t + 128 + 8 * j));
+    }
+}
+
+/* a new kind's block sums from broadcast activation groups xb (as tile_dot's): into *sa (all 32 elements), or, for
+ * Q6_K, *sa and *sb (elements 0..15 and 16..31). maddubs pairs are added in int16 only as far as they cannot
+ * saturate: 8 of 4-bit (8 * 2 * 15 * 127), 4 of 5-bit, 2 of 6-bit */
+static inline __attribute__((always_inline)) void gen_dot(const __m256i *wv, const int8_t *xb, const int kind,
+                                                           __m256i *sa, __m256i *sb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[8];
+    for (int G = 0; G < 8; G++) p[G] = _mm256_maddubs_epi16(wv[G], _mm256_load_si256((const __m256i *)(xb + 32 * G)));
+    if (kind == Q4_K) {
+        __m256i s16 = p[0];
+        for (int G = 1; G < 8; G++) s16 = _mm256_add_epi16(s16, p[G]);
+        *sa = _mm256_madd_epi16(s16, ones);
+    } else if (kind == Q6_K) {
+        *sa = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                               _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+        *sb = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
+                               _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
+    } else {
+        const __m256i a = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        const __m256i c = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+        *sa = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(c, ones));
+    }
+}
+
+#ifdef VS_AVX512
+/* gen_dot's sums with vpdpbusd from the block's 32 int8 activations xq (no int16 limit) */
+static inline __attribute__((always_inline)) void gen_dot_vnni(const __m256i *wv, const int8_t *xq, const int kind,
+                                                                __m256i *sa, __m256i *sb) {
+    __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+    for (int G = 0; G < 4; G++) {
+        int32_t e0, e1;
+        memcpy(&e0, xq + 4 * G, 4);
+        memcpy(&e1, xq + 16 + 4 * G, 4);
+        a = _mm256_dpbusd_epi32(a, wv[G], _mm256_set1_epi32(e0));
+        c = _mm256_dpbusd_epi32(c, wv[G + 4], _mm256_set1_epi32(e1));
+    }
+    if (kind == Q6_K) *sa = a, *sb = c;
+    else *sa = _mm256_add_epi32(a, c);
+}
+#endif
+
 #ifndef PF_ROW_TILES
 #define PF_ROW_TILES 32 /* tiles fetched ahead of the one stream (past the end: harmless): measured, whole forwards
                            * x0.90-0.93 of none at 1-8 rows (AVX2 body) and 1-3 (AVX-512); 8 or 16 ahead gained less */
@@ -318,6 +496,36 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
     __m256 acc[4], mins[4];
     for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
+        if (kind >= Q5_0) { /* the new kinds: their own unpacking and, for Q6_K, the halves' integer scales */
+            const uint8_t *t = tile_at(w, kind, nb, g, b), *qs = t + quant_off(kind, b);
+            const int64_t bb = kquant(kind) ? TILE_BYTES[kind] / 8 : TILE_BYTES[kind]; /* bytes per block */
+#if PF_ROW_TILES
+            fetch_ahead(qs + PF_ROW_TILES * bb, bb, row_prefetch_nta ? 2 : 0);
+#endif
+            __m256i wv[8], sa = _mm256_setzero_si256(), sb = sa, ca = sa, cb = sa;
+            __m256 d, m = _mm256_setzero_ps();
+            gen_unpack8(qs, kind, wv);
+            gen_params8(t, kind, b, &d, &m, &ca, &cb);
+            for (int t_ = 0; t_ < RT; t_++) {
+                const int64_t rb = (r0 + t_) * nb + b;
+#ifdef VS_AVX512
+                if (vnni) gen_dot_vnni(wv, x->q + (r0 + t_) * K + b * QK, kind, &sa, &sb);
+                else
+#endif
+                    gen_dot(wv, x->qb + rb * 256, kind, &sa, &sb);
+                const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(x->s[rb]));
+                if (kind == Q6_K) {
+                    const __m256i I = _mm256_add_epi32(
+                        _mm256_mullo_epi32(ca, _mm256_sub_epi32(sa, _mm256_set1_epi32(32 * x->q16[2 * rb]))),
+                        _mm256_mullo_epi32(cb, _mm256_sub_epi32(sb, _mm256_set1_epi32(32 * x->q16[2 * rb + 1]))));
+                    acc[t_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), dx, acc[t_]);
+                } else {
+                    acc[t_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), dx, acc[t_]);
+                    mins[t_] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t_]);
+                }
+            }
+            continue;
+        }
         const uint8_t *tp = w + (g * nb + b) * tb;
 #if PF_ROW_TILES
         fetch_ahead(tp + PF_ROW_TILES * tb, tb, row_prefetch_nta ? 2 : 0);
@@ -353,7 +561,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
         }
     }
     for (int t = 0; t < RT; t++)
-        store8(o, (r0 + t) * N + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
+        store8(o, (r0 + t) * o->ld + 8 * g, N, 8 * g, _mm256_add_ps(acc[t], mins[t]));
 }
 
 static inline __attribute__((always_inline)) void group(const uint8_t *w, const int kind, const qrows *x,
@@ -367,14 +575,25 @@ static inline __attribute__((always_inline)) void group(const uint8_t *w, const 
     }
 }
 
+/* group() with `kind` a constant in each call, so each kind's loop is compiled for it alone */
+static inline __attribute__((always_inline)) void group_of(const uint8_t *w, int kind, const qrows *x, int64_t M,
+        int64_t N, int64_t K, int64_t g, const dest *o, const int vnni) {
+    switch (kind) {
+    case Q4_0: group(w, Q4_0, x, M, N, K, g, o, vnni); break;
+    case Q4_1: group(w, Q4_1, x, M, N, K, g, o, vnni); break;
+    case Q8_0: group(w, Q8_0, x, M, N, K, g, o, vnni); break;
+    case Q5_0: group(w, Q5_0, x, M, N, K, g, o, vnni); break;
+    case Q5_1: group(w, Q5_1, x, M, N, K, g, o, vnni); break;
+    case Q4_K: group(w, Q4_K, x, M, N, K, g, o, vnni); break;
+    case Q5_K: group(w, Q5_K, x, M, N, K, g, o, vnni); break;
+    default: group(w, Q6_K, x, M, N, K, g, o, vnni); break;
+    }
+}
+
 static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, const dest *o) {
     const int64_t groups = (N + 7) / 8;
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, o, 0);
-        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, o, 0);
-        else group(w, Q8_0, x, M, N, K, g, o, 0);
-    }
+    for (int64_t g = 0; g < groups; g++) group_of(w, kind, x, M, N, K, g, o, 0);
 }
 #endif
 
@@ -420,6 +639,56 @@ static inline void store16(const dest *o, int64_t i, int64_t N, int64_t n0, __m5
     for (int k = 0; k < n; k++) store(o, i + k, l[k]);
 }
 
+static inline __m512 cat_ps(__m256 a, __m256 b) { /* a in lanes 0..7, b in 8..15 */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+static inline __m512i cat_si(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+
+/* pair_rows' block b for the new kinds: each tile unpacked as the 8-lane bodies do, side by side in 16 lanes */
+static inline __attribute__((always_inline)) void gen_pair(const uint8_t *w, const int kind, const qrows *x,
+        int64_t K, int64_t g, int64_t b, int64_t r0, const int RT, __m512 *acc, __m512 *mins) {
+    const int64_t nb = K / QK, bb = kquant(kind) ? TILE_BYTES[kind] / 8 : TILE_BYTES[kind];
+    const uint8_t *ta = tile_at(w, kind, nb, g, b), *tc = tile_at(w, kind, nb, g + 1, b);
+    const uint8_t *qa = ta + quant_off(kind, b), *qc = tc + quant_off(kind, b);
+#if PF_TILES
+    fetch_ahead(qa + PF_TILES * bb, bb, prefetch_level);
+    fetch_ahead(qc + PF_TILES * bb, bb, prefetch_level);
+#endif
+    __m256i a[8], c[8], sa0 = _mm256_setzero_si256(), sb0 = sa0, sa1 = sa0, sb1 = sa0;
+    __m256 d0, d1, m0 = _mm256_setzero_ps(), m1 = m0;
+    gen_unpack8(qa, kind, a);
+    gen_unpack8(qc, kind, c);
+    gen_params8(ta, kind, b, &d0, &m0, &sa0, &sb0);
+    gen_params8(tc, kind, b, &d1, &m1, &sa1, &sb1);
+    __m512i wv[8];
+    for (int G = 0; G < 8; G++) wv[G] = cat_si(a[G], c[G]);
+    const __m512 d = cat_ps(d0, d1), m = cat_ps(m0, m1);
+    const __m512i ca = cat_si(sa0, sa1), cb = cat_si(sb0, sb1);
+    for (int t = 0; t < RT; t++) {
+        const int64_t rb = (r0 + t) * nb + b;
+        const int8_t *xq = x->q + (r0 + t) * K + b * QK;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int G = 0; G < 4; G++) {
+            int32_t e0, e1;
+            memcpy(&e0, xq + 4 * G, 4);
+            memcpy(&e1, xq + 16 + 4 * G, 4);
+            s0 = _mm512_dpbusd_epi32(s0, wv[G], _mm512_set1_epi32(e0));
+            s1 = _mm512_dpbusd_epi32(s1, wv[G + 4], _mm512_set1_epi32(e1));
+        }
+        const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(x->s[rb]));
+        if (kind == Q6_K) {
+            const __m512i I = _mm512_add_epi32(
+                _mm512_mullo_epi32(ca, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * x->q16[2 * rb]))),
+                _mm512_mullo_epi32(cb, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * x->q16[2 * rb + 1]))));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), dx, acc[t]);
+        } else {
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dx, acc[t]);
+            mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->ss[rb]), mins[t]);
+        }
+    }
+}
+
 /* RT activation rows against groups g and g + 1 (both full tiles in memory; rows past N are padding) */
 static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, const int kind, const qrows *x,
         int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, const dest *o) {
@@ -427,6 +696,10 @@ static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, co
     __m512 acc[8], mins[8];
     for (int t = 0; t < RT; t++) { acc[t] = _mm512_setzero_ps(); mins[t] = _mm512_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
+        if (kind >= Q5_0) {
+            gen_pair(w, kind, x, K, g, b, r0, RT, acc, mins);
+            continue;
+        }
         const uint8_t *ta = w + (g * nb + b) * tb, *tc = ta + nb * tb;
 #if PF_TILES
         fetch_ahead(ta + PF_TILES * tb, tb, prefetch_level); /* the two tile streams (measured: L2, NTA or L1) */
@@ -464,7 +737,7 @@ static inline __attribute__((always_inline)) void pair_rows(const uint8_t *w, co
         }
     }
     for (int t = 0; t < RT; t++)
-        store16(o, (r0 + t) * N + 8 * g, N, 8 * g, _mm512_add_ps(acc[t], mins[t]));
+        store16(o, (r0 + t) * o->ld + 8 * g, N, 8 * g, _mm512_add_ps(acc[t], mins[t]));
 }
 
 static inline __attribute__((always_inline)) void pair(const uint8_t *w, const int kind, const qrows *x,
@@ -486,17 +759,21 @@ static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, i
     const int64_t groups = (N + 7) / 8, pairs = M >= PAIR_ROWS ? groups / 2 : 0, singles = groups - 2 * pairs;
     #pragma omp for schedule(static) nowait /* disjoint outputs from the pairs' */
     for (int64_t p = pairs; p < pairs + singles; p++) { /* few rows, or an odd last group: 8 lanes, one tile */
-        const int64_t g = pairs ? 2 * p : p;
-        if (kind == Q4_0) group(w, Q4_0, x, M, N, K, g, o, 1);
-        else if (kind == Q4_1) group(w, Q4_1, x, M, N, K, g, o, 1);
-        else group(w, Q8_0, x, M, N, K, g, o, 1);
+        group_of(w, kind, x, M, N, K, pairs ? 2 * p : p, o, 1);
     }
     if (!pairs) return;
     #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
-        if (kind == Q4_0) pair(w, Q4_0, x, M, N, K, 2 * p, o);
-        else if (kind == Q4_1) pair(w, Q4_1, x, M, N, K, 2 * p, o);
-        else pair(w, Q8_0, x, M, N, K, 2 * p, o);
+        switch (kind) {
+        case Q4_0: pair(w, Q4_0, x, M, N, K, 2 * p, o); break;
+        case Q4_1: pair(w, Q4_1, x, M, N, K, 2 * p, o); break;
+        case Q8_0: pair(w, Q8_0, x, M, N, K, 2 * p, o); break;
+        case Q5_0: pair(w, Q5_0, x, M, N, K, 2 * p, o); break;
+        case Q5_1: pair(w, Q5_1, x, M, N, K, 2 * p, o); break;
+        case Q4_K: pair(w, Q4_K, x, M, N, K, 2 * p, o); break;
+        case Q5_K: pair(w, Q5_K, x, M, N, K, 2 * p, o); break;
+        default: pair(w, Q6_K, x, M, N, K, 2 * p, o); break;
+        }
     }
 }
 #endif
@@ -1024,16 +1301,25 @@ static void swiglu_row(const float *x, int64_t K, float *out, int ref) {
     for (; j < K; j++) out[j] = (g[j] / (1.0f + vexp(-g[j]))) * u[j];
 }
 
-/* out [M, N] = x' [M, K] times the weight's transpose (+ residual). w: the x8 tiles of an [N, K] weight of `kind`
- * ([ceil(N / 8), K / 32] tiles; rows past N are padding); x float32 or bfloat16 (x_bf16); x' = x, or x RMS-
+/* out [M, N] = x' [M, K] times the weight's transpose (+ residual). w: an [N, K] weight in `nparts` parts stacked
+ * along N, part p at layout[3p .. 3p + 2] = (kind, rows, byte offset into w): the x8 tiles of its rows
+ * ([ceil(rows / 8), K / 32] tiles, or [ceil(rows / 8), K / 256] superblocks of a K-quant; rows past its count are
+ * padding); x float32 or bfloat16 (x_bf16); x' = x, or x RMS-
  * normalised with weights norm_w [K] and eps when norm_w is not NULL, or (act = 1) SwiGLU of a float32 x
  * [M, 2K] (gate | up); out float32 or bfloat16 (out_bf16);
  * residual: NULL or float32 [M, N] added to out (float32 out only). body: VS_BODY_* (ACTIVE: vs_set_body's).
  * Returns 0, -1 for a bad kind, K, residual or body, -2 without memory. */
-int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, void *out,
-              int out_bf16, int nthreads, int body, const float *norm_w, float eps, const float *residual,
-              int act) {
-    if (vs_tile_bytes(kind) < 0 || K % QK || (residual && out_bf16) || (act && (x_bf16 || norm_w))) return -1;
+int vs_linear(const uint8_t *w, const int64_t *layout, int nparts, int64_t N, int64_t K, const void *x, int x_bf16,
+              int64_t M, void *out, int out_bf16, int nthreads, int body, const float *norm_w, float eps,
+              const float *residual, int act) {
+    if (nparts < 1 || K % QK || (residual && out_bf16) || (act && (x_bf16 || norm_w))) return -1;
+    int64_t rows_in_parts = 0;
+    for (int p = 0; p < nparts; p++) {
+        const int64_t kind = layout[3 * p];
+        if (vs_tile_bytes((int)kind) < 0 || layout[3 * p + 1] <= 0 || (kquant((int)kind) && K % 256)) return -1;
+        rows_in_parts += layout[3 * p + 1];
+    }
+    if (rows_in_parts != N) return -1;
     if (body == VS_BODY_ACTIVE) body = active_body;
     if (!body_built(body)) return -1;
     const int use_ref = body == VS_BODY_PORTABLE;
@@ -1041,15 +1327,15 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
     const int64_t nb = K / QK;
     const int64_t normed = norm_w || act ? M * K : 0;
     const int64_t bcast = body == VS_BODY_AVX2 ? 8 * M * K : 0; /* the AVX2 body's broadcast groups */
-    const size_t bytes = (size_t)(bcast + (normed + 3 * M * nb) * (int64_t)sizeof(float) + M * K);
+    const size_t bytes = (size_t)(bcast + (normed + 5 * M * nb) * (int64_t)sizeof(float) + M * K);
     void *scratch = aligned_alloc(32, (bytes + 31) / 32 * 32);
     if (!scratch) return -2;
     int8_t *qb = (int8_t *)scratch; /* first, so 32-byte aligned */
     float *s = (float *)(qb + bcast), *ss = s + M * nb, *xn = ss + M * nb;
     int32_t *qsum = (int32_t *)(xn + normed);
-    int8_t *q = (int8_t *)(qsum + M * nb);
-    const qrows rows = {q, s, ss, qsum, qb};
-    const dest o = {out, out_bf16, residual}; /* the residual added as each output is stored */
+    int32_t *q16 = qsum + M * nb;
+    int8_t *q = (int8_t *)(q16 + 2 * M * nb);
+    const qrows rows = {q, s, ss, qsum, q16, qb};
     /* one parallel region per call: the rows prepared, then the product's worksharing loops (a fork and join
      * fewer per stage) */
     #pragma omp parallel num_threads(nthreads)
@@ -1060,8 +1346,9 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
             const void *xr = (const char *)x + r * K * (x_bf16 ? 2 : 4) * (act ? 2 : 1); /* act: rows of 2K */
             if (norm_w) rms_norm_row(xr, x_bf16, K, norm_w, eps, xn + r * K);
             else if (act) swiglu_row((const float *)xr, K, xn + r * K, use_ref);
-            if (normed) quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
-            else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb);
+            if (normed)
+                quantize_row(xn + r * K, 0, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb, q16 + 2 * r * nb);
+            else quantize_row(xr, x_bf16, K, q + r * K, s + r * nb, ss + r * nb, qsum + r * nb, q16 + 2 * r * nb);
 #ifdef VS_AVX2
             if (bcast)
                 for (int64_t g = 0; g < K / 4; g++) { /* group g's 4 bytes in every 32-bit lane */
@@ -1071,15 +1358,22 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
                 }
 #endif
         }
+        int64_t col = 0;
+        for (int p = 0; p < nparts; col += layout[3 * p + 1], p++) { /* each part into its own columns */
+            const int kind = (int)layout[3 * p];
+            const int64_t n = layout[3 * p + 1];
+            const uint8_t *wp = w + layout[3 * p + 2];
+            const dest o = {(char *)out + col * (out_bf16 ? 2 : 4), out_bf16, residual ? residual + col : NULL, N};
 #ifdef VS_AVX512
-        if (body == VS_BODY_AVX512) gemm_avx512(w, kind, &rows, M, N, K, &o);
-        else
+            if (body == VS_BODY_AVX512) gemm_avx512(wp, kind, &rows, M, n, K, &o);
+            else
 #endif
 #ifdef VS_AVX2
-        if (body == VS_BODY_AVX2) gemm_avx2(w, kind, &rows, M, N, K, &o);
-        else
+            if (body == VS_BODY_AVX2) gemm_avx2(wp, kind, &rows, M, n, K, &o);
+            else
 #endif
-            gemm_ref(w, kind, &rows, M, N, K, &o);
+                gemm_ref(wp, kind, &rows, M, n, K, &o);
+        }
     }
     free(scratch);
     return 0;
@@ -1097,7 +1391,8 @@ int vs_linear(const uint8_t *w, int kind, int64_t N, int64_t K, const void *x, i
  * x'' = x' + down(swiglu(gate_up(norm(x')))), K/V written for every row before any row attends. */
 typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down; /* x8 tiles */
-    int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    const int64_t *qkv_layout, *o_layout, *gate_up_layout, *down_layout; /* their parts, as vs_linear's */
+    int32_t qkv_parts, o_parts, gate_up_parts, down_parts;
     const float *attn_norm, *mlp_norm; /* [d] */
     int64_t window; /* 0: full attention */
 } vs_layer;
@@ -1330,15 +1625,18 @@ int vs_decoder(const vs_layer *layers, int64_t nl, float *const *kc, float *cons
         const vs_rows R = {kc[l], vc[l], pos, rpos, hi, base, toff, anc, tables, bs, hstride, kv_half};
         if (capture && capture[l])
             for (int64_t r = 0; r < N; r++) memcpy(capture[l] + r * cap_ld, x + r * d, (size_t)d * sizeof(float));
-        rc = vs_linear(L->qkv, L->qkv_kind, W, d, x, 0, N, qkv, 0, nthreads, 0, L->attn_norm, eps, NULL, 0);
+        rc = vs_linear(L->qkv, L->qkv_layout, L->qkv_parts, W, d, x, 0, N, qkv, 0, nthreads, 0, L->attn_norm, eps,
+                       NULL, 0);
         if (rc) break;
         vs_rope(qkv, N, W, H + KH, hd, cos, sin);
         write_kv(&R, qkv, N, H, KH, hd);
         rc = attend_rows(&R, qkv, N, H, KH, hd, L->window, scale, att, nthreads);
-        if (!rc) rc = vs_linear(L->o, L->o_kind, d, H * hd, att, 0, N, y, 0, nthreads, 0, NULL, 0.0f, x, 0);
-        if (!rc) rc = vs_linear(L->gate_up, L->gate_up_kind, 2 * I, d, y, 0, N, h, 0, nthreads, 0, L->mlp_norm, eps,
-                                NULL, 0);
-        if (!rc) rc = vs_linear(L->down, L->down_kind, d, I, h, 0, N, x, 0, nthreads, 0, NULL, 0.0f, y, 1);
+        if (!rc) rc = vs_linear(L->o, L->o_layout, L->o_parts, d, H * hd, att, 0, N, y, 0, nthreads, 0, NULL, 0.0f,
+                                x, 0);
+        if (!rc) rc = vs_linear(L->gate_up, L->gate_up_layout, L->gate_up_parts, 2 * I, d, y, 0, N, h, 0, nthreads, 0,
+                                L->mlp_norm, eps, NULL, 0);
+        if (!rc) rc = vs_linear(L->down, L->down_layout, L->down_parts, d, I, h, 0, N, x, 0, nthreads, 0, NULL, 0.0f,
+                                y, 1);
     }
     free(buf);
     return rc;
