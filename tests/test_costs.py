@@ -70,10 +70,13 @@ def test_measured_costs_interpolate_extrapolate_and_clamp():
     assert m(40, 4) == prior(40, 4)  # nothing measured: the profile
     m.observe(32, 4, 64.0)  # one point: the profile's shape through it (x2)
     assert math.isclose(m(48, 4), 96.0) and m(40, 1) == 40.0  # another segment count: still the profile
-    for _ in range(60):
+    for _ in range(20):
         m.observe(48, 4, 80.0)
     assert math.isclose(m(40, 4), 72.0, rel_tol=1e-3)  # between 32 -> 64 and 48 -> 80: 1 s per token
     assert math.isclose(m(64, 4), 96.0, rel_tol=1e-3) and math.isclose(m(16, 4), 48.0, rel_tol=1e-3)  # slope beyond
+    for _ in range(m.stale_after):  # 32 tokens not run in stale_after forwards of 4 sequences: forgotten
+        m.observe(48, 4, 80.0)
+    assert 32 not in m.points[4] and math.isclose(m(40, 4), 80.0 * 40 / 48)  # the profile's shape through 48
     stalled = MeasuredStepCosts(prior)
     stalled.observe(8, 1, 8.0)
     stalled.observe(8, 1, 8000.0)  # one forward stalled 1000x: the lower median of the two

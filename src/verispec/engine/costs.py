@@ -112,7 +112,14 @@ class MeasuredStepCosts:
     every few steps, so each count alone is measured at one or two token counts close together, and a slope fitted
     to such a pair alone falls to the least slope and makes draft rows look cheap (what that did:
     docs/results/cost_model.md). With one token count measured, its line is the pooled slope through it where
-    nearby counts give one (the profile's shape through it where none do)."""
+    nearby counts give one (the profile's shape through it where none do).
+
+    A token count's estimate lasts only while it is run: one not measured in the last `stale_after` forwards of its
+    sequence count is forgotten (its samples too), and the count's estimate falls back on the ones still run and the
+    profile's shape. A busy spell otherwise switched speculation off for good: its dear measurements of the draft
+    rows' token counts stayed while only the plain token count, no longer run with drafts, was measured again
+    once the load had gone, so extra rows looked dearer and dearer beside it and nothing was ever drafted to measure
+    them anew (issue 67)."""
 
     prior: StepCosts
     window: int = 9  # measured forwards per token count whose median is its estimate
@@ -123,6 +130,7 @@ class MeasuredStepCosts:
     # hair on most steps, and each move refits the line and empties the memos (and the policies' memos keyed on
     # `version`), work spent on changes far inside the noise
     tolerance: float = 0.01
+    stale_after: int = 24  # forwards of its sequence count after which an unmeasured token count is forgotten
     points: dict[int, dict[int, float]] = field(default_factory=dict)  # segments -> tokens -> estimated seconds
     samples: dict[int, dict[int, deque[float]]] = field(default_factory=dict)  # segments -> tokens -> last seconds
     # segments -> the fitted line, None below two measured token counts
@@ -131,6 +139,9 @@ class MeasuredStepCosts:
     # and the answers change only with the points (dropped with the line)
     _memo: dict[int, dict[int, float]] = field(default_factory=dict, init=False)
     version: int = field(default=0, init=False)  # counts the changes of the estimates (memos of callers key on it)
+    # segments -> forwards measured; segments -> tokens -> that count when this token count was last measured
+    _forwards: dict[int, int] = field(default_factory=dict, init=False)
+    _last_seen: dict[int, dict[int, int]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         # a token count is well measured once min_count of its forwards are in its window
@@ -140,6 +151,7 @@ class MeasuredStepCosts:
         """One measured forward of `tokens` tokens over `segments` sequences."""
         if tokens < 1 or segments < 1 or seconds <= 0:
             return
+        self._forget_stale(segments, tokens)
         pts = self.points.setdefault(segments, {})
         old = pts.get(tokens)
         ref = old if old is not None else self(tokens, segments)
@@ -155,6 +167,26 @@ class MeasuredStepCosts:
             self._lines.clear()  # nearby sequence counts share this one's slope
             self._memo.clear()
             self.version += 1
+
+    def _forget_stale(self, segments: int, tokens: int) -> None:
+        """Count one forward of `segments` sequences at `tokens` tokens, and forget the token counts of that sequence
+        count not measured in its last `stale_after` forwards (scanned every eighth forward: a few dict entries)."""
+        n = self._forwards[segments] = self._forwards.get(segments, 0) + 1
+        last = self._last_seen.setdefault(segments, {})
+        last[tokens] = n
+        if n % 8:
+            return
+        stale = [t for t, seen in last.items() if n - seen > self.stale_after]
+        if not stale:
+            return
+        pts, samples = self.points.get(segments, {}), self.samples.get(segments, {})
+        for t in stale:
+            del last[t]
+            pts.pop(t, None)
+            samples.pop(t, None)
+        self._lines.clear()
+        self._memo.clear()
+        self.version += 1
 
     def _pooled_slope(self, segments: int) -> float | None:
         """The least-squares seconds per token within each sequence count near `segments` (NEIGHBOURS), pooled:
@@ -225,6 +257,7 @@ def expected_tokens(a: float, k: int) -> float:
 # the default `probe_share`, 2% of the plain steps' time (a smaller share saved drafting time without a gain in
 # speed: docs/results/drafters.md, "Probes at 0.5%")
 PROBE_SHARE = 0.02
+REFUSED_PROBE_DECAY = 0.5  # what a due probe that was not drafted leaves of the drafting time that priced it out
 
 
 @dataclass
@@ -271,7 +304,13 @@ class AcceptanceEstimator:
     def plain_step(self, step_s: float = 0.0) -> bool:
         """Note a step without speculation (its forward took `step_s` seconds, 0: not known); True when a probe is
         due: after the back-off's number of plain steps, and no sooner than the measured drafting time of one
-        proposal is `probe_share` of the plain steps' time since the last."""
+        proposal is `probe_share` of the plain steps' time since the last.
+        A probe that came due and was not drafted (the policy found even a good draft not worth its measured drafting
+        time) halves that time (`REFUSED_PROBE_DECAY`): drafting timed on a busy machine would otherwise price every
+        later probe out for the rest of the request, with nothing drafted to time it again."""
+        if self._probing:  # the last due probe was refused: no draft was verified since it came due
+            self._probing = False
+            self.timing = self.timing.decayed(REFUSED_PROBE_DECAY)
         self._plain_steps += 1
         gap = self._probe_gap
         if step_s > 0 and self.draft_cost_per_proposal > 0 and self.probe_share > 0:
