@@ -28,6 +28,9 @@ class BenchCommand:
 COMMANDS: dict[str, BenchCommand] = {
     "llama": BenchCommand("plain decoding of one GGUF against llama.cpp's llama-bench, interleaved", "vs_llama",
                           "add_llama_args", "run_llama_cli"),
+    "formats": BenchCommand("the GGUF formats people download and real model shapes (synthetic weights) against "
+                            "llama-bench, with the verify curve, synthetic acceptance and peak RSS", "formats",
+                            "add_formats_args", "run_formats_cli"),
     "drafters": BenchCommand("learned drafters per workload: tau, speed against plain, identity, online calibration",
                              "drafters", "add_drafters_args", "run_drafters_cli"),
 }

@@ -1,6 +1,7 @@
-"""The measurements the plain-decoding benchmarks share (benchmarks/verify_curve.py,
-formats.py): llama.cpp's `llama-bench` tokens/s on a GGUF, verispec's decode and end-to-end tokens/s of one
-request, one target forward's milliseconds for a block of M tokens, and the median (min..max) they print.
+"""The measurements the plain-decoding benchmarks share (`verispec bench llama`, `bench formats`,
+benchmarks/verify_curve.py): llama.cpp's `llama-bench` tokens/s on a GGUF, verispec's decode and end-to-end
+tokens/s of one request, one target forward's milliseconds for a block of M tokens, and the median (min..max) they
+print.
 
 llama.cpp is never a dependency: the caller passes the path of a `llama-bench` it built.
 """
@@ -11,9 +12,10 @@ import json
 import statistics
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BOS_FALLBACK = 1
 
@@ -59,7 +61,7 @@ def prompt_ids(llm: Any, prompt: int) -> list[int]:
     return [bos_id(llm)] + [(7919 * i + 13) % llm.model.cfg.vocab_size for i in range(1, prompt)]
 
 
-def forward_ms(model, cache, slot: int, ids: torch.Tensor, context: int, m: int) -> float:
+def forward_ms(model, cache, slot: int, ids: "torch.Tensor", context: int, m: int) -> float:
     """ms of one forward of ids[context : context + m] as a block after `context` committed tokens (logits for
     all m rows, as a verify block computes them); the cache rolled back after."""
     from verispec.models.llama import Segment

@@ -1,7 +1,7 @@
-"""The GGUF formats people download, and real model shapes: verispec (dtype auto) against llama.cpp's own
-`llama-bench` on the same files, side by side, interleaved.
+"""`verispec bench formats`: the GGUF formats people download, and real model shapes: verispec (dtype auto)
+against llama.cpp's own `llama-bench` on the same files, side by side, interleaved.
 
-(a) the default model re-quantised by llama.cpp's `llama-quantize --allow-requantize` from the shipped Q4_1 file
+(a) --model (default: the default model's shipped Q4_1 file) re-quantised by llama.cpp's `llama-quantize --allow-requantize` from the shipped Q4_1 file
     to each of --formats (the same weights, as a new user would make them): plain decode tok/s (--tokens after
     BOS; llama-bench `-p 0 -n N -t T -fa 1`) and end to end (--prompt-tokens + --tokens; llama-bench `-pg P,N`);
 (b) synthetic GGUFs (random weights, bench/synth_gguf.py) in the shapes of --shapes, quantised by llama-quantize
@@ -12,11 +12,15 @@
 (c) peak RSS of one process that loads the largest shape in Q4_K_M and decodes --tokens tokens, against the file
     size plus verispec's KV cache (a fresh process, after the one-time conversion is cached).
 
+llama.cpp is never a dependency: --llama-bin names the build/bin of one you built (llama-bench, llama-quantize;
+without llama-bench the llama.cpp columns read n/a, without llama-quantize only Q8_0 shapes are written, by gguf's
+own quantizer). The synthetic-acceptance rows run the benchmark-only `synthetic` method (drafters/synthetic.py).
+
 Conditions: concurrency 1, batch 1, greedy; baselines: llama-bench in the same run, on the same file and threads
-(parts a, b) and verispec's plain decoding (part b's speculative rows); median (min..max) of --rounds rounds,
+(parts a, b) and verispec's plain decoding (part b's speculative rows); median (min..max) of --repeats rounds,
 llama.cpp and verispec alternating within each round. The path `dtype auto` chose is printed for every file.
 
-    python benchmarks/formats.py --llama-bin ~/llama.cpp/build/bin [--parts a,b,c] [--rounds 3] [--work DIR]
+    verispec bench formats --llama-bin ~/llama.cpp/build/bin [--parts a,b,c] [--repeats 3] [--work DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 from verispec import LLM
+from verispec.bench.common import add_common_args
 from verispec.bench.decode_speed import forward_ms, generate_once, llama_bench_tok_s, verispec_tok_s
 from verispec.bench.decode_speed import spread as _spread
 from verispec.bench.load import MachineLoad
@@ -51,8 +56,15 @@ def spread(v: list[float]) -> str:
     return _spread(v) if v else "n/a (llama-bench missing)"
 
 
-def load(path: Path, max_len: int = 512) -> LLM:
-    return LLM(str(path), max_num_seqs=1, max_model_len=max_len, progress=False)
+def load(path: Path, dtype: str = "auto", max_len: int = 512) -> LLM:
+    return LLM(str(path), dtype=dtype, max_num_seqs=1, max_model_len=max_len, progress=False)
+
+
+def src_kind(path: Path) -> str:
+    """The GGML type of a GGUF's first layer's q projection ("Q4_1" for the default model)."""
+    from verispec.models.gguf_index import GGUFIndex
+
+    return GGUFIndex.open(path).entry("blk.0.attn_q.weight").kind
 
 
 def path_line(llm: LLM) -> str:
@@ -62,11 +74,11 @@ def path_line(llm: LLM) -> str:
 def versus_llama(args, llm: LLM, gguf: Path, prompt: int) -> dict[str, list[float]]:
     """--rounds rounds of llama-bench then verispec on one metric (prompt 0: decode; else end to end)."""
     runs: dict[str, list[float]] = {"llama": [], "ours": []}
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         if Path(args.llama_bench).exists():  # else the llama.cpp columns read n/a
-            runs["llama"].append(llama_bench_tok_s(args.llama_bench, str(gguf), args.tokens, args.threads, prompt,
+            runs["llama"].append(llama_bench_tok_s(args.llama_bench, str(gguf), args.max_tokens, args.threads, prompt,
                                                    FA))
-        runs["ours"].append(verispec_tok_s(llm, args.tokens, prompt))
+        runs["ours"].append(verispec_tok_s(llm, args.max_tokens, prompt))
     return runs
 
 
@@ -78,15 +90,17 @@ def ratio_cell(runs: dict[str, list[float]]) -> str:
 
 
 def part_a(args, out: dict) -> None:
-    src = resolve(hub.DEFAULT_MODEL, progress=False).gguf
+    src = resolve(args.model, progress=False).gguf
+    if src is None:
+        raise SystemExit(f"--model {args.model}: part (a) re-quantises a .gguf file")
     print(f"\n## (a) the default model re-quantised from {src.name}\n")
     print("| file | verispec path (dtype auto) | llama-bench decode tok/s | verispec decode tok/s | ratio | "
-          f"llama-bench e2e tok/s ({args.prompt_tokens}+{args.tokens}) | verispec e2e tok/s | ratio |")
+          f"llama-bench e2e tok/s ({args.prompt_tokens}+{args.max_tokens}) | verispec e2e tok/s | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for fmt in args.formats:
-        dst = src if fmt == "Q4_1" else quantize(args.llama_quantize, src, args.work / f"smollm2-135m-{fmt}.gguf",
+        dst = src if fmt == src_kind(src) else quantize(args.llama_quantize, src, args.work / f"smollm2-135m-{fmt}.gguf",
                                                  fmt, args.threads, requantize=True)
-        llm = load(dst)
+        llm = load(dst, args.dtype)
         print(f"<!-- {fmt}: {path_line(llm)} -->", file=sys.stderr, flush=True)
         verispec_tok_s(llm, 8), verispec_tok_s(llm, 8, args.prompt_tokens)  # warm-up
         dec, e2e = versus_llama(args, llm, dst, 0), versus_llama(args, llm, dst, args.prompt_tokens)
@@ -122,7 +136,7 @@ def verify_curve(args, llm: LLM) -> dict[int, float]:
     slot = cache.allocate()
     model.prefill(ids[: args.context], cache, slot)
     times: dict[int, list[float]] = {m: [] for m in range(1, 17)}
-    for r in range(args.rounds + 1):
+    for r in range(args.repeats + 1):
         for m in range(1, 17):
             ms = forward_ms(model, cache, slot, ids, args.context, m)
             if r:
@@ -138,7 +152,7 @@ def speculative(args, llm: LLM) -> dict:
                                  "adaptive": False, "benchmark_only": True})
     generate_once(spec, args.spec_tokens)  # records the target's continuation
     plain_runs, spec_runs, taus, same = [], [], [], True
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         a = generate_once(llm, args.spec_tokens)
         b = generate_once(spec, args.spec_tokens)
         plain_runs.append(float(a.stats["decode_tok_per_s"]))
@@ -150,12 +164,12 @@ def speculative(args, llm: LLM) -> dict:
 
 
 def part_b(args, out: dict) -> None:
-    print(f"\n## (b) synthetic shapes (random weights), {args.tokens} tokens decoded after BOS\n")
+    print(f"\n## (b) synthetic shapes (random weights), {args.max_tokens} tokens decoded after BOS\n")
     rows, curves, specs = [], [], []
     for shape in args.shapes:
         for fmt in args.shape_formats:
             f = shape_file(args, shape, fmt)
-            llm = load(f)
+            llm = load(f, args.dtype)
             print(f"<!-- {shape} {fmt}: {path_line(llm)} -->", file=sys.stderr, flush=True)
             verispec_tok_s(llm, 8)
             dec = versus_llama(args, llm, f, 0)
@@ -187,23 +201,24 @@ def part_b(args, out: dict) -> None:
 def part_c(args, out: dict) -> None:
     shape = args.shapes[-1]
     f = shape_file(args, shape, "Q4_K_M")
-    load(f)  # converts once (cached), in this process, so that the measured process does not
+    load(f, args.dtype)  # converts once (cached), in this process, so that the measured process does not
     gc.collect()
-    res = subprocess.run([sys.executable, __file__, "--rss-of", str(f), "--tokens", str(args.tokens)],
+    res = subprocess.run([sys.executable, "-m", "verispec", "bench", "formats", "--rss-of", str(f), "--max-tokens",
+                          str(args.max_tokens), "--dtype", args.dtype],
                          capture_output=True, text=True, check=True)
     m = json.loads(res.stdout.strip().splitlines()[-1])
     size = f.stat().st_size
     bound = size + m["kv_bytes"]
     out["c"] = {"file": str(f), "file_bytes": size, **m}
-    print(f"\n## (c) peak RSS, {shape} Q4_K_M, {args.tokens} tokens decoded (path {m['path']})\n")
+    print(f"\n## (c) peak RSS, {shape} Q4_K_M, {args.max_tokens} tokens decoded (path {m['path']})\n")
     print("| peak RSS | file | KV cache | file + KV | RSS / (file + KV) |\n|---|---|---|---|---|")
     print(f"| {m['peak_rss'] / 2**30:.2f} GiB | {size / 2**30:.2f} GiB | {m['kv_bytes'] / 2**20:.0f} MiB | "
           f"{bound / 2**30:.2f} GiB | x{m['peak_rss'] / bound:.2f} |")
 
 
-def rss_of(path: str, tokens: int) -> None:
+def rss_of(path: str, tokens: int, dtype: str) -> None:
     """(a child process) load `path`, decode `tokens` tokens, print peak RSS and the KV cache's bytes as JSON."""
-    llm = load(Path(path), max_len=256)
+    llm = load(Path(path), dtype, max_len=256)
     generate_once(llm, tokens)
     kv = sum(t.nbytes for t in _tensors(llm.cache))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -221,35 +236,37 @@ def _tensors(obj, depth: int = 0):
             yield from _tensors(o, depth + 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-bin", help="llama.cpp's build/bin (llama-bench, llama-quantize)")
-    ap.add_argument("--parts", default="a,b,c")
-    ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"of {', '.join(SHAPES)}")
-    ap.add_argument("--shape-formats", default="Q4_K_M,Q8_0")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--spec-tokens", type=int, default=128)
-    ap.add_argument("--context", type=int, default=128, help="committed tokens before the verify curve's block")
-    ap.add_argument("--tau", type=float, default=3.0)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "verispec-formats")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+def add_formats_args(p: argparse.ArgumentParser) -> None:
+    add_common_args(p, max_tokens=64, repeats=3)
+    p.add_argument("--llama-bin", default=None, help="llama.cpp's build/bin (llama-bench, llama-quantize)")
+    p.add_argument("--parts", default="a,b,c", help="a: the model's formats; b: synthetic shapes; c: peak RSS")
+    p.add_argument("--formats", default=",".join(FORMATS), help="part (a)'s llama-quantize types")
+    p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"part (b)'s shapes, of {', '.join(SHAPES)}")
+    p.add_argument("--shape-formats", default="Q4_K_M,Q8_0")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of the end-to-end test")
+    p.add_argument("--spec-tokens", type=int, default=128, help="tokens per speculative / plain run of part (b)")
+    p.add_argument("--context", type=int, default=128, help="committed tokens before the verify curve's block")
+    p.add_argument("--tau", type=float, default=3.0, help="synthetic acceptance: mean tokens per verification step")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step with synthetic acceptance")
+    p.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "verispec-formats",
+                   help="where the quantised and synthetic files are kept")
+    p.add_argument("--json", default=None)
+    p.add_argument("--rss-of", default=None, help=argparse.SUPPRESS)
+
+
+def run_formats_cli(args: argparse.Namespace) -> int:
     if args.rss_of:
-        return rss_of(args.rss_of, args.tokens)
+        rss_of(args.rss_of, args.max_tokens, args.dtype)
+        return 0
     if not args.llama_bin:
-        ap.error("--llama-bin is required")
+        raise SystemExit("--llama-bin is required: the build/bin of a llama.cpp you built")
     args.llama_bench = str(Path(args.llama_bin) / "llama-bench")
     args.llama_quantize = str(Path(args.llama_bin) / "llama-quantize")
     args.formats, args.shapes = args.formats.split(","), args.shapes.split(",")
     args.shape_formats, args.threads = args.shape_formats.split(","), torch.get_num_threads()
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"CPU {cpu_info().label()}; torch {torch.__version__}; {args.threads} threads; concurrency 1, greedy; "
-          f"{args.rounds} interleaved rounds, median (min..max); llama-bench -t {args.threads} -fa 1")
+          f"{args.repeats} interleaved rounds, median (min..max); llama-bench -t {args.threads} -fa 1")
     out: dict = {"a": {}, "b": {}, "c": {}, "cpu": cpu_info().as_dict(), "threads": args.threads}
     load_meter = MachineLoad().start()
     for part, run in (("a", part_a), ("b", part_b), ("c", part_c)):
@@ -259,7 +276,4 @@ def main() -> None:
     print("\n" + load_meter.describe())
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
