@@ -36,12 +36,12 @@ needs_kernel = pytest.mark.skipif(LIB is None, reason="verispec's CPU kernel can
 
 NEW = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 ALL = ("Q4_0", "Q4_1", "Q8_0") + NEW
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), **kquant.FILE_BLOCKS}
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q3_K": (256, 110), **kquant.FILE_BLOCKS}
 # format -> (byte offset of an fp16 scale, its range) for each scale a block holds: the rest of a block is any bytes
 SCALES = {"Q4_0": [(0, 2e-3, 2e-2)], "Q4_1": [(0, 2e-3, 2e-2), (2, -0.1, 0.0)], "Q8_0": [(0, 2e-4, 2e-3)],
           "Q5_0": [(0, 1e-3, 1e-2)], "Q5_1": [(0, 1e-3, 1e-2), (2, -0.1, 0.0)],
           "Q4_K": [(0, 5e-5, 2e-4), (2, 0.0, 2e-4)], "Q5_K": [(0, 3e-5, 1e-4), (2, 0.0, 2e-4)],
-          "Q6_K": [(208, 1e-5, 4e-5)]}
+          "Q6_K": [(208, 1e-5, 4e-5)], "Q3_K": [(108, 1e-4, 5e-4)]}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -200,9 +200,9 @@ MIXED = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q
          "ffn_up": "Q8_0", "ffn_down": "Q6_K", "output": "Q4_K", "token_embd": "Q8_0"}
 
 
-def write_tiny(path, kind: str | None) -> None:
+def write_tiny(path, kind: str | None, formats: dict[str, str] = MIXED) -> None:
     """A tiny llama decoder (bench/synth_gguf.py's layout) whose matrices are random valid blocks of `kind`, or of
-    MIXED's formats (kind None: then with an untied output head)."""
+    `formats`' (tensor name -> format; kind None: then with an untied output head)."""
     from verispec.bench.synth_gguf import write_gguf
 
     cfg = dict(CFG, tie_word_embeddings=kind is not None)
@@ -218,7 +218,7 @@ def write_tiny(path, kind: str | None) -> None:
         if not n:
             w.add_tensor(t.name, np.asarray(t.data))
             continue
-        fmt = kind or MIXED[t.name.split(".")[-2]]
+        fmt = kind or formats[t.name.split(".")[-2]]
         w.add_tensor(t.name, random_blocks(fmt, n, k, seed=i), raw_dtype=GGMLQuantizationType[fmt])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -299,6 +299,22 @@ def test_formats_without_a_body_are_reported_with_their_cost(tmp_path, capsys) -
     report_fallbacks.cache_clear()
     assert not gguf_block_linears(path)  # not every linear of layer 0 has a body (nor exists)
     assert "Q3_K" in capsys.readouterr().err
+
+
+def test_doctor_reports_each_format_and_the_ones_without_a_body(tmp_path) -> None:
+    from verispec.doctor.run import Ctx, DoctorOptions, _target
+    from verispec.models.quantized import gguf_block_linears
+
+    path = tmp_path / "tiny-q3k.gguf"
+    write_tiny(path, None, dict(MIXED, ffn_down="Q3_K"))
+    (check,) = _target(Ctx(DoctorOptions(model=str(path))))
+    assert check.ok and "Q3_K x2 (dense)" in check.detail and "Q6_K x2," in check.detail, check.detail
+    assert "no native CPU kernel body for 2 Q3_K tensors (3.44 bits/weight" in check.detail
+    assert not gguf_block_linears(path)  # ffn_down has no body: dtype auto does not offer gguf-q8act
+    mixed = tmp_path / "tiny-mixed.gguf"
+    write_tiny(mixed, None)
+    (check,) = _target(Ctx(DoctorOptions(model=str(mixed))))
+    assert check.ok and check.detail.endswith("every quantised one native"), check.detail
 
 
 def test_candidacy_follows_the_files_formats_and_a_missing_compiler(tmp_path, monkeypatch) -> None:

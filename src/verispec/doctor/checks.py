@@ -57,6 +57,13 @@ def target_route(cfg: Mapping[str, Any]) -> Check:
     return passed(name, f"{archs[0]} (model_type {mtype}) -> {describe(r)}")
 
 
+def weight_formats(kinds: Mapping[str, int], native: Sequence[str], fallback_note: str) -> str:
+    """One line on a GGUF target's linear weights: each format and its tensor count, which run on verispec's native
+    kernel bodies, and (`fallback_note`, "" when none) which fall back to dense and at what cost."""
+    listed = ", ".join(f"{k} x{n}{'' if k in native else ' (dense)'}" for k, n in sorted(kinds.items()))
+    return f"GGUF linears: {listed}" + (f"; {fallback_note}" if fallback_note else "; every quantised one native")
+
+
 def drafter_kind(raw: Mapping[str, Any]) -> str | None:
     archs = raw.get("architectures") or []
     r = route(archs[0]) if len(archs) == 1 else None

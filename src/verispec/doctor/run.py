@@ -56,6 +56,14 @@ def _target(ctx: Ctx) -> list[C.Check]:
     ctx.resolved = resolve(ctx.opts.model, progress=False)
     ctx.target_cfg = read_config(ctx.resolved.directory)
     check = C.target_route(ctx.target_cfg)
+    if check.ok and ctx.resolved.gguf is not None:  # which of its formats run on native kernel bodies
+        from verispec.models.gguf_blocks import KERNEL_FORMATS
+        from verispec.models.quantized import dense_fallbacks, fallback_note, linear_formats
+
+        fallbacks = dense_fallbacks(ctx.resolved.gguf)
+        formats = C.weight_formats(linear_formats(ctx.resolved.gguf), tuple(KERNEL_FORMATS),
+                                   fallback_note(fallbacks) if fallbacks else "")
+        check = C.passed(check.name, f"{check.detail}; {formats}")
     if check.ok:
         try:
             ctx.target = ModelConfig.from_hf(ctx.target_cfg)

@@ -106,18 +106,22 @@ def gguf_block_linears(gguf_path: str | os.PathLike | None) -> bool:
 DENSE_FORMATS = ("F32", "F16", "BF16")  # dense in the file already: nothing is lost by running them dense
 
 
-def dense_fallbacks(gguf_path: str | os.PathLike) -> dict[str, int]:
-    """Quantised formats of the file's linear and head weights that verispec's kernel has no body for -> how many
-    tensors: those run dense (bf16 under dtype auto) instead of on their blocks."""
+def linear_formats(gguf_path: str | os.PathLike) -> dict[str, int]:
+    """GGML type of the file's linear and head weights -> how many tensors (what `verispec doctor` reports)."""
     reader = GGUFIndex.open(gguf_path)
     linear = {f"{p}.weight" for parts in FUSED.values() for p in parts}
     head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"  # tied: the embedding
     out: dict[str, int] = {}
     for name, e in reader.tensors.items():
         if name.split(".", 2)[-1] in linear or name == head:
-            if e.kind not in KERNEL_FORMATS and e.kind not in DENSE_FORMATS:
-                out[e.kind] = out.get(e.kind, 0) + 1
+            out[e.kind] = out.get(e.kind, 0) + 1
     return out
+
+
+def dense_fallbacks(gguf_path: str | os.PathLike) -> dict[str, int]:
+    """Quantised formats of the file's linear and head weights that verispec's kernel has no body for -> how many
+    tensors: those run dense (bf16 under dtype auto) instead of on their blocks."""
+    return {k: n for k, n in linear_formats(gguf_path).items() if k not in KERNEL_FORMATS and k not in DENSE_FORMATS}
 
 
 def fallback_note(fallbacks: dict[str, int]) -> str:
