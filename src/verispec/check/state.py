@@ -7,11 +7,12 @@ fell out of step; the error names the layer and the first bad position.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from verispec.models.llama import LlamaModel
+from verispec.sampling.grammar import Matcher
 from verispec.state.kv_cache import KVCache
 from verispec.state.paged_kv import PagedKVCache
 
@@ -47,3 +48,14 @@ def check_kv(model: LlamaModel, cache: KVCache | PagedKVCache, slot: int, tokens
                     f"{what}: {name} of layer {layer} differs at position {p} of {n} "
                     f"(max abs diff {float(diff[p]):.3g} > {atol:g}); later bad positions: {bad[1:6, 0].tolist()}"
                 )
+
+
+def check_matcher(live: Matcher, output: Sequence[int], fresh: Callable[[], Matcher]) -> None:
+    """A request's grammar matcher (structured outputs) must be in the state of a matcher fed its committed output
+    from scratch: the same tokens held, stopped / accepting alike, the same next mask. Speculation walks the live
+    one over drafts and back every step; a rejected token left in it would show here."""
+    ref = fresh()
+    ref.commit(output)
+    if live.consumed != ref.consumed or live.state_key() != ref.state_key():
+        raise StateMismatch(f"grammar matcher: holds {live.consumed} tokens in a state that differs from the "
+                            f"committed output's ({ref.consumed} tokens recomputed)")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from verispec.drafters.base import Drafter
     from verispec.engine.stops import StopMatcher
+    from verispec.sampling.processor import RequestProcessor
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ class LiveRequest:
     # engine's second drafting stage switches to it where the policy verified none of the model-free draft
     other: Side | None = None
     on_model: bool = False  # switched to the hybrid's model drafter for this step
+    # structured outputs / sampling controls (sampling/processor.py, engine/constrain.py): its processor, and how
+    # many of this step's draft tokens are the grammar's forced tokens (then the whole draft)
+    proc: "RequestProcessor | None" = None
+    forced: int = 0
 
     @property
     def prefilled(self) -> bool:
