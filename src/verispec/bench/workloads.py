@@ -14,6 +14,10 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 WORKLOADS = ("json_records", "templates", "markdown", "code", "chat")
+# shipped, loaded by name, not in the default runs: agent_loop (six sessions of a tool-calling agent, four turns each,
+# every turn's prompt the session so far: requests that repeat tool outputs and plans, for suffix caching across
+# requests)
+EXTRA_WORKLOADS = ("agent_loop",)
 DEFAULT_MAX_TOKENS = 128
 
 
@@ -96,7 +100,7 @@ def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[Wo
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     key = str(name_or_path)
-    if key in WORKLOADS:
+    if key in WORKLOADS or key in EXTRA_WORKLOADS:
         res = resources.files("verispec.bench").joinpath("workloads", f"{key}.jsonl")
         return _parse_text(res.read_text(encoding="utf-8"), f"{key}.jsonl", key, limit)
     path = Path(name_or_path)

@@ -23,17 +23,20 @@ from verispec.models.tree import TreeDraft
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    """Trie depth (longest matched tail + continuation), draft cap per matched token, pruning, cache size."""
+    """Trie depth (longest matched tail + continuation), draft cap per matched token, pruning, cache size (requests
+    and tokens: the shared trie holds about a node per cached token, so its memory is bounded by the tokens)."""
 
     max_tree_depth: int = 24
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     max_cached_requests: int = 1000
+    max_cached_tokens: int = 1 << 18
 
     def __post_init__(self) -> None:
         for bad, rule in ((self.max_tree_depth < 2, "max_tree_depth >= 2"), (self.max_spec_factor <= 0,
                           "max_spec_factor > 0"), (not 0.0 <= self.min_token_prob <= 1.0, "0 <= min_token_prob <= 1"),
-                          (self.max_cached_requests < 0, "max_cached_requests >= 0")):
+                          (self.max_cached_requests < 0, "max_cached_requests >= 0"),
+                          (self.max_cached_tokens < 0, "max_cached_tokens >= 0")):
             if bad:
                 raise ValueError(f"SuffixConfig needs {rule}: {self}")
 
@@ -298,22 +301,30 @@ def _merge(chain: list[int], toks: list[int], parents: list[int], budget: int) -
 
 
 class SuffixCache:
-    """Shared across requests: a suffix trie over the outputs of the last max_cached_requests finished ones."""
+    """Shared across requests (one per server): a suffix trie over the outputs of the last finished requests, at
+    most max_cached_requests of them and max_cached_tokens tokens (the oldest evicted first; an output longer than
+    that alone keeps its last max_cached_tokens). Other requests' tokens reach a request only as drafts, which its
+    verification accepts only where the target would have produced them."""
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
         self.trie = _Trie(self.config.max_tree_depth)
         self._outputs: deque[list[int]] = deque()
+        self.tokens = 0  # in the cached outputs
 
     def add_output(self, tokens: Sequence[int]) -> None:
-        """Remember one finished request's output; evicts the oldest beyond max_cached_requests."""
-        toks = [int(t) for t in tokens]
+        """Remember one finished request's output; evicts the oldest beyond the bounds."""
+        cap = self.config.max_cached_tokens
+        toks = [int(t) for t in tokens][-cap:] if cap else []
         if not toks or self.config.max_cached_requests == 0:
             return
         self.trie.add(toks)
         self._outputs.append(toks)
-        while len(self._outputs) > self.config.max_cached_requests:
-            self.trie.remove(self._outputs.popleft())
+        self.tokens += len(toks)
+        while len(self._outputs) > self.config.max_cached_requests or self.tokens > cap:
+            old = self._outputs.popleft()
+            self.trie.remove(old)
+            self.tokens -= len(old)
 
     def __len__(self) -> int:
         return len(self._outputs)
