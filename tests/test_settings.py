@@ -19,8 +19,9 @@ SETTINGS = {"max_num_seqs", "num_speculative_tokens", "block_size", "max_model_l
 HOMES = {"config.py", "engine/args.py"}  # where the engine's defaults are written
 # the same name for another quantity: DFlash's draft block (positions drafted at once), the training capture's own
 # batch, autotune's "0 = plain decoding" for the blocks it profiles, a served model's advertised length before load,
-# a rule sweep's fixed k (static) and the doctor's own check of the server's scheduler
-OTHER_MEANING = {("audit/sweep_cli.py", "scheduler"), ("doctor/run.py", "scheduler"),("drafters/dflash_model.py", "block_size"), ("train/dflash.py", "block_size"),
+# a rule sweep's and the drafter benchmark's fixed K (static: tau is the drafter's own), and the doctor's own check
+# of the server's scheduler
+OTHER_MEANING = {("audit/sweep_cli.py", "scheduler"), ("bench/drafters.py", "scheduler"), ("doctor/run.py", "scheduler"),("drafters/dflash_model.py", "block_size"), ("train/dflash.py", "block_size"),
                  ("train/data.py", "max_num_seqs"), ("execution/autotune.py", "num_speculative_tokens"),
                  ("server/protocol.py", "max_model_len")}
 
