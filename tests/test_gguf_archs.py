@@ -109,3 +109,32 @@ def test_rope_freqs_not_llama3_is_refused():
     f[blended[0]] *= 1.3
     with pytest.raises(ValueError, match="not a llama3"):
         llama3_from_factors(f, cfg["rope_theta"], cfg["head_dim"])
+
+
+def test_q8_0_file_runs_gguf_dequantised_weights(tmp_path):
+    """synth_gguf's Q8_0 writing (gguf's quantizer, where llama-quantize is missing) loads as the weights gguf's own
+    dequantisation gives: HF transformers on those weights is the reference."""
+    import gguf
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    d = cfg.to_dict()
+    d["model_type"] = "qwen2"
+    path = write_gguf(tmp_path / "q8.gguf", d, hf.state_dict(), float_type="q8_0")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)
+                p.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+    ours, _ = load_model(str(path), dtype="float32", progress=False)
+    ids = torch.arange(12) * 5 % 64
+    cache = ours.new_cache(16)
+    slot = cache.allocate()
+    got = ours(ids, [Segment(slot, 0, 12)], cache, logits_indices=range(12)).logits
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (got - ref).abs().max().item() <= 1e-4
