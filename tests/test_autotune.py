@@ -133,7 +133,7 @@ def test_auto_loads_the_path_the_profile_finds_cheapest_for_its_blocks(tiny_dir,
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # a fresh profile cache
     monkeypatch.setattr(autotune, "machine_busy", lambda: False)
     table = {"fp32": {1: 50.0, 8: 60.0, 16: 70.0}, "bf16": {1: 20.0, 8: 150.0, 16: 300.0}}
-    monkeypatch.setattr(autotune, "measure_paths", lambda paths, cfg: {p.name: table[p.name] for p in paths})
+    monkeypatch.setattr(autotune, "measure_paths", lambda paths, cfg, kinds=None: {p.name: table[p.name] for p in paths})
     plain = LLM(str(tiny_dir), device="cpu", progress=False, max_num_seqs=1)
     assert plain.path_choice.path.name == "bf16" and plain.model.dtype == torch.bfloat16
     assert not plain.path_choice.explicit and plain.path_choice.blocks == (1,)
@@ -141,3 +141,21 @@ def test_auto_loads_the_path_the_profile_finds_cheapest_for_its_blocks(tiny_dir,
                speculative_config={"method": "ngram", "num_speculative_tokens": 7})
     # blocks 1 and 8: fp32 (50 + 60) / 2 = 55 against bf16 (20 + 150) / 2 = 85; read from the cache this time
     assert spec.path_choice.path.name == "fp32" and spec.model.dtype == torch.float32 and spec.path_choice.cached
+
+
+def test_gguf_q8act_is_timed_in_the_files_formats(monkeypatch):
+    """A mapping of the GGUF's formats (models/quantized.py's gguf_block_linears) offers the path and is what its
+    random weights are built in; the profile is kept apart from one timed in other formats."""
+    from verispec.kernels.cpu_kernels import fast_kernel_available
+
+    if not fast_kernel_available()[0]:
+        pytest.skip("verispec's kernel with a vector body is not available here")
+    kinds = {"qkv": "Q4_K", "o": "Q5_0", "gate_up": "Q6_K", "down": "Q8_0", "head": "Q6_K"}
+    cfg = ModelConfig.from_hf(dict(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    bench = autotune._PathBench(PATHS["gguf-q8act"], cfg, kinds)
+    assert [f.__self__.kind for f in bench.layers[0]] == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+    assert bench.head.__self__.kind == "Q6_K"
+    assert autotune.profile_key(cfg, "cpu", [PATHS["gguf-q8act"]], kinds) != autotune.profile_key(
+        cfg, "cpu", [PATHS["gguf-q8act"]])
+    assert PATHS["gguf-q8act"] in candidates("cpu", False, kinds)

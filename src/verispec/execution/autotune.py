@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -117,25 +117,32 @@ STREAM_BYTES = 64 * 2**20  # weights cycled through per timed pass: more than a 
 
 
 def _random_blocks(kind: str, n: int, k: int, seed: int):
-    """An [N, K] `Q8ActWeight` of random GGUF blocks (quants random, every d and m a small finite half)."""
+    """An [N, K] `Q8ActWeight` of random GGUF blocks of `kind` (quants random, every fp16 scale and min small and
+    finite), or of Q4_1 where K is not whole blocks of it."""
     import numpy as np
 
-    from verispec.kernels.q8act import BLOCK, BLOCK_BYTES, Q8ActWeight
+    from verispec.kernels.q8act import FILE_BLOCKS, Q8ActWeight
 
-    size = BLOCK_BYTES[kind]
-    raw = np.random.default_rng(seed).integers(0, 256, (n, k // BLOCK, size), dtype=np.uint8)
-    raw[:, :, 0:4] = np.frombuffer(np.array([0.01, -0.02], np.float16).tobytes(), np.uint8)
+    elems, size = FILE_BLOCKS[kind]
+    if k % elems:
+        kind, (elems, size) = "Q4_1", FILE_BLOCKS["Q4_1"]
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    at = 208 if kind == "Q6_K" else 0  # where the block's fp16 d (and min) are
+    raw[:, :, at : at + 4 if at == 0 else at + 2] = np.frombuffer(
+        np.array([0.01, -0.02], np.float16).tobytes(), np.uint8)[: 4 if at == 0 else 2]
     return Q8ActWeight(raw.reshape(n, -1), kind, n, k)
 
 
-def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
-    """An [N, K] linear in the path's format with random weights: (x [M, K] -> [M, N], its bytes)."""
+def _linear_fn(path: WeightPath, n: int, k: int, seed: int, kind: str = "Q4_1"
+               ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """An [N, K] linear in the path's format (gguf-q8act: GGUF blocks of `kind`) with random weights: (x [M, K] ->
+    [M, N], its bytes)."""
     from verispec.kernels.int4 import GROUP, N_MULTIPLE, Int4Weight
 
     dtype = parse_dtype(path.dtype)
     g = torch.Generator().manual_seed(seed)
     if path.quantization == "gguf-q8act":
-        q = _random_blocks("Q4_1", n, k, seed)
+        q = _random_blocks(kind, n, k, seed)
         return q.matmul, q.tiles.numel()
     if path.quantization == "gguf" and n % N_MULTIPLE == 0 and k % GROUP == 0:
 
@@ -146,10 +153,10 @@ def _linear_fn(path: WeightPath, n: int, k: int, seed: int) -> tuple[Callable[[t
     return (lambda x: torch.nn.functional.linear(x, dense)), dense.numel() * dense.element_size()
 
 
-def _head_fn(path: WeightPath, cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The output head as the path runs it: Q8_0 blocks on verispec's kernel (gguf-q8act), else dense."""
+def _head_fn(path: WeightPath, cfg: ModelConfig, kind: str = "Q8_0") -> Callable[[torch.Tensor], torch.Tensor]:
+    """The output head as the path runs it: GGUF blocks of `kind` on verispec's kernel (gguf-q8act), else dense."""
     if path.quantization == "gguf-q8act":
-        return _random_blocks("Q8_0", cfg.vocab_size, cfg.hidden_size, 7).matmul
+        return _random_blocks(kind, cfg.vocab_size, cfg.hidden_size, 7).matmul
     head = (torch.randn(cfg.vocab_size, cfg.hidden_size) / cfg.hidden_size**0.5).to(parse_dtype(path.dtype))
     return lambda x: torch.nn.functional.linear(x, head)
 
@@ -157,16 +164,18 @@ def _head_fn(path: WeightPath, cfg: ModelConfig) -> Callable[[torch.Tensor], tor
 class _PathBench:
     """One path's linears with random weights: a layer's linears in as many distinct copies as fill STREAM_BYTES
     (at most num_layers), so they come from memory as in a real forward and not from a cache one small layer
-    fits in, and the output head as the path runs it."""
+    fits in, and the output head as the path runs it. `kinds`: the GGUF's formats of qkv, o, gate_up, down and the
+    head (models/quantized.py's `gguf_block_linears`), which gguf-q8act is timed in (default Q4_1, Q8_0 head)."""
 
-    def __init__(self, path: WeightPath, cfg: ModelConfig) -> None:
+    def __init__(self, path: WeightPath, cfg: ModelConfig, kinds: Mapping[str, str] | None = None) -> None:
         self.cfg, self.dtype, self.shapes = cfg, parse_dtype(path.dtype), linear_shapes(cfg)
-        first = [_linear_fn(path, n, k, i) for i, (n, k) in enumerate(self.shapes)]
+        fmt = [(kinds or {}).get(f, "Q4_1") for f in ("qkv", "o", "gate_up", "down")]
+        first = [_linear_fn(path, n, k, i, fmt[i]) for i, (n, k) in enumerate(self.shapes)]
         self.copies = max(1, min(cfg.num_layers, STREAM_BYTES // max(1, sum(b for _, b in first))))
         self.layers = [[f for f, _ in first]] + [
-            [_linear_fn(path, n, k, 97 * c + i)[0] for i, (n, k) in enumerate(self.shapes)]
+            [_linear_fn(path, n, k, 97 * c + i, fmt[i])[0] for i, (n, k) in enumerate(self.shapes)]
             for c in range(1, self.copies)]
-        self.head = _head_fn(path, cfg)
+        self.head = _head_fn(path, cfg, (kinds or {}).get("head", "Q8_0"))
 
     def forward_ms(self, m: int) -> float:
         """ms of one forward's linears at M = m: the layer copies' time / copies x num_layers, plus the head."""
@@ -182,11 +191,12 @@ class _PathBench:
         return ((t1 - t0) / self.copies * self.cfg.num_layers + (t2 - t1)) * 1e3
 
 
-def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig) -> dict[str, dict[int, float]]:
+def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig,
+                  kinds: Mapping[str, str] | None = None) -> dict[str, dict[int, float]]:
     """path name -> M -> ms of one forward's linears. The paths are timed interleaved, REPEATS rounds after a
     warm-up round, and each keeps its fastest round: another process stealing the CPU slows a round, never
     speeds one, so the minimum is the measurement least disturbed on a shared machine."""
-    benches = {p.name: _PathBench(p, cfg) for p in paths}
+    benches = {p.name: _PathBench(p, cfg, kinds) for p in paths}
     out: dict[str, dict[int, float]] = {p.name: {} for p in paths}
     with torch.inference_mode():
         for m in PROFILE_M:
@@ -199,7 +209,8 @@ def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig) -> dict[str, di
     return out
 
 
-def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath]) -> str:
+def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath],
+                kinds: Mapping[str, str] | None = None) -> str:
     """What makes a profile valid: this CPU and torch, the thread count, the shapes, the paths (and the source of
     verispec's own kernel, when a path runs it)."""
     cpu = cpu_info()
@@ -210,19 +221,22 @@ def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath]) -> s
         from verispec.kernels.cpu_build import source_digest
 
         parts.append(source_digest())
+        if kinds:  # the GGUF's block formats the path was timed in
+            parts.append(str(sorted(kinds.items())))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
 def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], cache: Path | None,
-                  refresh: bool = False) -> tuple[dict[str, dict[int, float]], bool]:
+                  refresh: bool = False, kinds: Mapping[str, str] | None = None
+                  ) -> tuple[dict[str, dict[int, float]], bool]:
     """(path name -> M -> ms, whether it came from the cache). A single candidate is not measured."""
     if len(paths) == 1:
         return {paths[0].name: {m: float(m) for m in PROFILE_M}}, False
-    file = None if cache is None else cache / "kernels" / f"{profile_key(cfg, device, paths)}.json"
+    file = None if cache is None else cache / "kernels" / f"{profile_key(cfg, device, paths, kinds)}.json"
     if file is not None and file.exists() and not refresh:
         raw = json.loads(file.read_text())
         return {p: {int(m): ms for m, ms in t.items()} for p, t in raw["table"].items()}, True
-    table = measure_paths(paths, cfg)
+    table = measure_paths(paths, cfg, kinds)
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".tmp")
@@ -235,12 +249,13 @@ def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], ca
 
 def resolve_path(dtype: str, quantization: str | None, device: str, cfg: ModelConfig, gguf_int4: bool,
                  num_speculative_tokens: int = 0, cache: Path | None = None, refresh: bool = False,
-                 invariant_only: bool = False, gguf_blocks: bool | None = None) -> PathChoice:
+                 invariant_only: bool = False, gguf_blocks: bool | Mapping[str, str] | None = None) -> PathChoice:
     """The weight path a model runs on. An explicit dtype (or quantization) names it; dtype="auto" measures
     the candidates for this model, device and CPU (cached per machine) and takes the cheapest expected step.
     `invariant_only` leaves out dense fp32 on CPU, whose GEMM rounds rows by batch size (execution/invariance.py
     then checks the chosen path on its own weights). `gguf_blocks`: whether the GGUF's linears are in formats
-    verispec's kernel runs (default `gguf_int4`)."""
+    verispec's kernel runs (default `gguf_int4`); a mapping of their formats (models/quantized.py's
+    `gguf_block_linears`) also says what to time gguf-q8act in."""
     from verispec.execution.paths import candidates, path_for
 
     cpu = cpu_info()
@@ -248,5 +263,6 @@ def resolve_path(dtype: str, quantization: str | None, device: str, cfg: ModelCo
         explicit = path_for("bfloat16" if dtype == "auto" else dtype, quantization)
         return PathChoice(explicit, (), {}, cpu, cached=False, explicit=True)
     paths = [p for p in candidates(device, gguf_int4, gguf_blocks) if not (invariant_only and p.name == "fp32")]
-    table, cached = profile_paths(cfg, device, paths, None if machine_busy() else cache, refresh)
+    kinds = gguf_blocks if isinstance(gguf_blocks, Mapping) else None
+    table, cached = profile_paths(cfg, device, paths, None if machine_busy() else cache, refresh, kinds)
     return choose(paths, table, typical_blocks(num_speculative_tokens), cpu, cached)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -53,7 +54,8 @@ def path_for(dtype: str, quantization: str | None) -> WeightPath:
     return PATHS[DTYPE_PATHS[dtype]]
 
 
-def candidates(device: str, gguf_int4: bool, gguf_blocks: bool | None = None) -> list[WeightPath]:
+def candidates(device: str, gguf_int4: bool, gguf_blocks: bool | Mapping[str, str] | None = None
+               ) -> list[WeightPath]:
     """The paths `dtype="auto"` chooses among. CUDA: bf16 only (its tensor cores; nothing to measure). CPU: dense
     fp32 and bf16, plus gguf-int4 when the checkpoint is a GGUF whose linears are Q4_0 / Q4_1 (`gguf_int4`, if this
     torch has the int4 kernel) and gguf-q8act when its linears are in formats verispec's kernel runs natively
@@ -66,7 +68,7 @@ def candidates(device: str, gguf_int4: bool, gguf_blocks: bool | None = None) ->
     out = [PATHS["fp32"], PATHS["bf16"]]
     if gguf_int4 and int4_kernel_available():
         out.append(PATHS["gguf-int4"])
-    if gguf_int4 if gguf_blocks is None else gguf_blocks:
+    if gguf_int4 if gguf_blocks is None else bool(gguf_blocks):
         from verispec.kernels.cpu_kernels import fast_kernel_available
 
         ok, why = fast_kernel_available()

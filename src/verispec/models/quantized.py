@@ -89,18 +89,23 @@ def quantize_from_gguf(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     return replaced
 
 
-def gguf_block_linears(gguf_path: str | os.PathLike | None) -> bool:
-    """Whether a GGUF's first layer's linears are all in formats verispec's kernel runs natively (the gguf-q8act
-    path's candidacy under dtype="auto"): any mix of them, each tensor on its own format."""
+def gguf_block_linears(gguf_path: str | os.PathLike | None) -> dict[str, str]:
+    """Where a GGUF's first layer's linears are all in formats verispec's kernel runs natively (any mix of them,
+    each tensor on its own format): each fused linear's format (its first part's) and the head's, {"qkv": "Q4_K",
+    ..., "head": "Q6_K"}, which dtype="auto" profiles the gguf-q8act path in; else {} (the path is not offered)."""
     if gguf_path is None:
-        return False
+        return {}
     reader = GGUFIndex.open(gguf_path)
-    names = [f"blk.0.{p}.weight" for parts in FUSED.values() for p in parts]
     report_fallbacks(str(gguf_path))
     try:
-        return all(tensor_kind(reader, n) in KERNEL_FORMATS for n in names)
+        kinds = {f: [tensor_kind(reader, f"blk.0.{p}.weight") for p in parts] for f, parts in FUSED.items()}
+        head = "output.weight" if "output.weight" in reader.tensors else "token_embd.weight"
+        head_kind = tensor_kind(reader, head)
     except KeyError:
-        return False
+        return {}
+    if not all(k in KERNEL_FORMATS for ks in kinds.values() for k in ks):
+        return {}
+    return {**{f: ks[0] for f, ks in kinds.items()}, "head": head_kind if head_kind in KERNEL_FORMATS else "Q8_0"}
 
 
 DENSE_FORMATS = ("F32", "F16", "BF16")  # dense in the file already: nothing is lost by running them dense
