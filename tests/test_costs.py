@@ -150,12 +150,35 @@ def test_well_measured_points_bound_the_line_where_small_blocks_cost_the_same():
     m = fed(4)
     assert math.isclose(m(1), 7.4) and math.isclose(m(3), 8.6) and math.isclose(m(9), 13.9)
     assert math.isclose(m(2), 7.4 + least)  # 7.5 measured, but never less than the least slope above 1 token
-    assert math.isclose(m(4), intercept + 4 * slope)  # the line where it is above every point carried forward
+    # the line above a well-measured point: its median, but never less than the least slope above 3 tokens
+    assert intercept + 4 * slope > 9.0 and math.isclose(m(4), 8.6 + least)
+    assert math.isclose(m(5), intercept + 5 * slope)  # the line between well-measured points (below 9's 13.9)
     assert math.isclose(m(3) - m(1), 1.2) and intercept + 3 * slope - (intercept + slope) > 1.6  # the line: 1.7
     costs = [m(n) for n in range(1, 40)]
     assert all(b - a >= least - 1e-12 for a, b in zip(costs, costs[1:]))
     seldom = fed(3)  # below min_count: only the line
     assert all(math.isclose(seldom(n), intercept + slope * n) for n in range(1, 12))
+
+
+def test_a_dear_first_draft_row_is_not_averaged_into_the_single_token():
+    """The first draft row costs 2 s more than one token, each further row 0.2 s (a forward of several rows runs
+    another kernel body than one of a single row). The least-squares line through tokens 1..5 puts one token at
+    10.72 s instead of 10, so the first row looked 1.28 s dear instead of 2 and dspark verified a draft whose first
+    token survives 20% of the time: 1.2 tokens for 10 + 1.5 x 1.28 s beat 1 token for 10.72 s, where the measured
+    costs say 1.2 tokens for 13 s against 1 for 10. Well-measured token counts are their own medians."""
+    prior = StepCosts(CostTable((1, 5), (10.0, 11.0)))
+    measured = {1: 10.0, 2: 12.0, 3: 12.2, 4: 12.4, 5: 12.6}
+    m = MeasuredStepCosts(prior, window=4, min_count=4)
+    for _ in range(4):
+        for t, sec in measured.items():
+            m.observe(t, 1, sec)
+    slope, intercept = statistics.linear_regression(list(measured), list(measured.values()))
+    assert intercept + slope > 10.7  # the line alone
+    assert [m(t) for t in measured] == pytest.approx(list(measured.values()))
+    draft = Draft([5], confidence=[0.2])
+    assert DSparkPolicy(m).verify_lengths([Candidate(4, AcceptanceEstimator())], [draft], 1) == [0]
+    assert DSparkPolicy(m).verify_lengths([Candidate(4, AcceptanceEstimator())], [Draft([5], confidence=[0.4])],
+                                          1) == [1]  # 1.4 tokens for 13 s beat 1 for 10
 
 
 def test_one_cheap_step_does_not_make_extra_tokens_look_free():

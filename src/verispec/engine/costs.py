@@ -60,9 +60,11 @@ class StepCosts:
 
 
 class _Line:
-    """Seconds against tokens for one sequence count: the larger of the least-squares line (intercept + slope x
-    tokens, at least `floor`) and every well-measured point (tokens p, seconds v) carried forward from p at the
-    least slope `floor_slope` (v + floor_slope x (tokens - p) for tokens >= p). Non-decreasing in tokens."""
+    """Seconds against tokens for one sequence count: the least-squares line (intercept + slope x tokens, at least
+    `floor`), at most every well-measured point (tokens p, seconds v) at or beyond the tokens asked for (v for
+    tokens <= p), then at least every well-measured point carried forward from p at the least slope `floor_slope`
+    (v + floor_slope x (tokens - p) for tokens >= p). So a well-measured token count's estimate is its own median
+    unless a smaller well-measured count carried forward says more; non-decreasing in tokens."""
 
     def __init__(self, intercept: float, slope: float, floor: float, floor_slope: float,
                  points: list[tuple[int, float]]) -> None:
@@ -73,9 +75,18 @@ class _Line:
         for t, v in points:
             best = max(best, v - floor_slope * t)
             self.lift.append(best)
+        self.cap: list[float] = []  # [i] min over points i.. of v
+        low = math.inf
+        for _, v in reversed(points):
+            low = min(low, v)
+            self.cap.append(low)
+        self.cap.reverse()
 
     def __call__(self, tokens: int) -> float:
         value = max(self.intercept + self.slope * tokens, self.floor)
+        j = bisect_left(self.tokens, tokens)
+        if j < len(self.cap):
+            value = min(value, self.cap[j])
         i = bisect_right(self.tokens, tokens)
         return max(value, self.lift[i - 1] + self.floor_slope * tokens) if i else value
 
@@ -105,6 +116,12 @@ class MeasuredStepCosts:
     where it is measured and beyond, rising from it at the line's least slope: the estimate is the larger of the
     line and every such point carried forward. It never falls as tokens grow, never rises by less than that least
     slope per token, and a count measured once or twice (a lucky step) still only moves the line.
+    The opposite shape, where the first draft row costs more than the next ones (a forward of one row and one of
+    several run different kernel bodies), bent the line the other way: through one token and several, it put the
+    single token above its measured time, and every draft looked cheaper by that much beside it (n-gram drafts
+    that did not pay were verified on open-ended text, issue 65). So such a point also bounds the estimate from
+    above where it is measured and below: a well-measured token count is estimated at its own median (unless a
+    smaller one carried forward says more), the line filling in between and beyond them.
 
     The line's slope (seconds per token) is shared by nearby sequence counts (within `NEIGHBOURS` of each other):
     the least-squares slope within each of them, pooled (each count's points about their own mean). An extra row
