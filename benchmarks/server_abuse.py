@@ -8,6 +8,7 @@ no abuse, phases interleaved (none, abuse, none, abuse, ...) and repeated; the s
 of baseline tok/s / abused tok/s (each abused phase against the baseline phase before it). The abuse:
 
   stop_ids  two at once: /v1/completions, n=16, 200 tokens, stop_token_ids = [1] * 2,000,000 (a 4.0 MB body)
+  stop_ids_1mb  the same with 400,000 ids (0.8 MB, under the default body limit: read, parsed, then refused)
   prompt    eight at once: /v1/completions with a 1.3 MB text prompt (the context holds 2,048 tokens)
   idle      2,000 connections opened and never written to
   slowbody  50 connections that send their headers (Content-Length 1,000) and then one body byte a second
@@ -97,6 +98,15 @@ def abuse_stop_ids(url: str, stop: threading.Event, out: list) -> None:
     [t.join() for t in threads]
 
 
+def abuse_stop_ids_1mb(url: str, stop: threading.Event, out: list) -> None:
+    """As stop_ids, with 400,000 ids (0.8 MB): under the default body limit, so the body is read and parsed."""
+    body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 200, "temperature": 0, "n": 16, "seed": 1,
+                       "stop_token_ids": [1] * 400_000}, separators=(",", ":")).encode()
+    threads = [threading.Thread(target=post_status, args=(url, body, out)) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+
+
 def abuse_prompt(url: str, stop: threading.Event, out: list) -> None:
     words = ("the quick brown fox jumps over the lazy dog and keeps running " * 20_000)[:1_300_000]
     body = json.dumps({"prompt": words, "max_tokens": 16}).encode()
@@ -162,7 +172,7 @@ def abuse_slow_body(url: str, stop: threading.Event, out: list, n: int = 50) -> 
         s.close()
 
 
-ABUSE = {"stop_ids": abuse_stop_ids, "prompt": abuse_prompt, "idle": abuse_idle, "slowbody": abuse_slow_body}
+ABUSE = {"stop_ids": abuse_stop_ids, "stop_ids_1mb": abuse_stop_ids_1mb, "prompt": abuse_prompt, "idle": abuse_idle, "slowbody": abuse_slow_body}
 
 
 def phase(url: str, log: Path, seconds: float, guards: int, abuse: str | None) -> dict:

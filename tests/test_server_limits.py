@@ -115,6 +115,16 @@ def test_a_body_that_is_not_utf8_is_a_400(client: TestClient, encoding: str) -> 
     assert "UTF-8" in err["message"]
 
 
+def test_default_body_limit_follows_the_context(client: TestClient) -> None:
+    from verispec.server.limits import default_max_request_bytes
+
+    mib = 1024 * 1024
+    assert [default_max_request_bytes(n) for n in (256, 2048, 4096, 8192, 131072)] == [mib, mib, 2 * mib, 4 * mib,
+                                                                                       4 * mib]
+    r = client.post(C, json={"prompt": "a" * (mib + 1)})  # 413 from Content-Length: nothing read nor parsed
+    assert error(r, 413)["code"] == "request_too_large"
+
+
 def test_head_health(client: TestClient) -> None:
     r = client.head("/health")
     assert r.status_code == 200 and r.content == b""

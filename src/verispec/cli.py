@@ -170,7 +170,8 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="requests that may queue beyond those; more get 503 + Retry-After (default: %(default)s)")
     serve.add_argument("--max-request-bytes", type=int, default=None,
-                       help="largest request body; larger ones get 413 (default: 4 MiB, room for 128k-token prompts)")
+                       help="largest request body; larger ones get 413 (default: 512 bytes per context token, "
+                            "from 1 MiB to 4 MiB)")
     serve.add_argument("--shutdown-timeout", type=float, default=None,
                        help="seconds running requests get to finish on SIGTERM / Ctrl-C before they end with an "
                             "error; new ones get 503 meanwhile (default: 30)")

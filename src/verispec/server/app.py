@@ -29,7 +29,7 @@ from verispec.server import logfilter
 from verispec.server.connections import ConnectionLimits, raise_fd_limit, uvicorn_options
 from verispec.server.generation import Generation
 from verispec.server.lifecycle import AFTER_FAIL_S, DEFAULT_SHUTDOWN_TIMEOUT, Lifecycle
-from verispec.server.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from verispec.server.limits import DEFAULT_BODY_TIMEOUT, default_max_request_bytes
 from verispec.server.metrics import ServerMetrics
 from verispec.server.openapi import install_openapi
 from verispec.server.protocol import MAX_N, APIError, ServedModel, error_body, parse_chat, parse_completion
@@ -103,14 +103,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(llm: LLM, engine: BackgroundEngine, *, model_name: str | None = None, api_key: str | None = None,
-               manage_engine: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               manage_engine: bool = True, max_request_bytes: int | None = None,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, dev_endpoints: bool = False,
                body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The app over `engine`, a BackgroundEngine of `llm`'s engine (`BackgroundEngine(llm.engine,
     llm.check_prompt_ids)`); `llm` parses prompts and decodes tokens. `manage_engine` starts / shuts the engine down
-    with the app. Bodies over `max_request_bytes` get a 413, bodies not arrived `body_timeout` seconds after their
-    headers a 408; on shutdown (served by `make_server`) running requests get `shutdown_timeout` seconds to finish
-    (server/lifecycle.py). `dev_endpoints` adds POST /reset_prefix_cache (vLLM's dev-mode route)."""
+    with the app. Bodies over `max_request_bytes` (default: limits.default_max_request_bytes, 1-4 MiB by the context)
+    get a 413, bodies not arrived `body_timeout` seconds after their headers a 408; on shutdown (served by
+    `make_server`) running requests get `shutdown_timeout` seconds to finish (server/lifecycle.py). `dev_endpoints` adds POST /reset_prefix_cache (vLLM's dev-mode route)."""
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(llm.max_model_len)
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if not body_timeout > 0:

@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from verispec.api import LLM
 
 # 128k tokens as a JSON list of ids take about 8 bytes each (1 MiB), as escaped text at most ~6 per character
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the default body limit's most (contexts of 8k tokens and more)
+MIN_DEFAULT_REQUEST_BYTES = 1024 * 1024  # ... and its least
+# the default body limit per context token: 20x what a token of escaped text takes (a 2,048-token context: 1 MiB, so
+# the 4 MB bodies of issue 67 get their 413 from Content-Length before a byte is read)
+BODY_BYTES_PER_TOKEN = 512
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 levels (messages[i].content[j].text); 64 leaves room
 # text can shrink before tokenising (NFKC / NFC normalisers, up to ~3x): a token covers at most this many times the
 # bytes of the longest vocabulary entry
@@ -46,6 +50,11 @@ def check_content_type(request: Request) -> None:
     if kind != "application/json" or charset not in ("utf-8", "utf8"):
         raise APIError(415, f"Unsupported Content-Type {value[:64]!r}: send the body as JSON with 'Content-Type: "
                             "application/json' (UTF-8).", param="content-type", code="unsupported_media_type")
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The body limit when none is given: BODY_BYTES_PER_TOKEN per context token, within [1 MiB, 4 MiB]."""
+    return min(DEFAULT_MAX_REQUEST_BYTES, max(MIN_DEFAULT_REQUEST_BYTES, max_model_len * BODY_BYTES_PER_TOKEN))
 
 
 def request_too_large(limit: int) -> APIError:
