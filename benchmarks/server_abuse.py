@@ -10,6 +10,7 @@ of baseline tok/s / abused tok/s (each abused phase against the baseline phase b
   stop_ids  two at once: /v1/completions, n=16, 200 tokens, stop_token_ids = [1] * 2,000,000 (a 4.0 MB body)
   stop_ids_1mb  the same with 400,000 ids (0.8 MB, under the default body limit: read, parsed, then refused)
   prompt    eight at once: /v1/completions with a 1.3 MB text prompt (the context holds 2,048 tokens)
+  prompt_0_9mb  the same with 0.9 MB of text (read, parsed, its tokens counted in pieces, then refused)
   idle      2,000 connections opened and never written to
   slowbody  50 connections that send their headers (Content-Length 1,000) and then one body byte a second
 
@@ -107,12 +108,17 @@ def abuse_stop_ids_1mb(url: str, stop: threading.Event, out: list) -> None:
     [t.join() for t in threads]
 
 
-def abuse_prompt(url: str, stop: threading.Event, out: list) -> None:
-    words = ("the quick brown fox jumps over the lazy dog and keeps running " * 20_000)[:1_300_000]
+def abuse_prompt(url: str, stop: threading.Event, out: list, size: int = 1_300_000) -> None:
+    words = ("the quick brown fox jumps over the lazy dog and keeps running " * 20_000)[:size]
     body = json.dumps({"prompt": words, "max_tokens": 16}).encode()
     threads = [threading.Thread(target=post_status, args=(url, body, out)) for _ in range(8)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+
+
+def abuse_prompt_0_9mb(url: str, stop: threading.Event, out: list) -> None:
+    """As prompt, 0.9 MB: under the default body limit, so it is read, parsed and its tokens counted."""
+    abuse_prompt(url, stop, out, 900_000)
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -172,7 +178,7 @@ def abuse_slow_body(url: str, stop: threading.Event, out: list, n: int = 50) -> 
         s.close()
 
 
-ABUSE = {"stop_ids": abuse_stop_ids, "stop_ids_1mb": abuse_stop_ids_1mb, "prompt": abuse_prompt, "idle": abuse_idle, "slowbody": abuse_slow_body}
+ABUSE = {"stop_ids": abuse_stop_ids, "stop_ids_1mb": abuse_stop_ids_1mb, "prompt": abuse_prompt, "prompt_0_9mb": abuse_prompt_0_9mb, "idle": abuse_idle, "slowbody": abuse_slow_body}
 
 
 def phase(url: str, log: Path, seconds: float, guards: int, abuse: str | None) -> dict:
