@@ -261,6 +261,25 @@ def test_engine_output_equals_hf_with_state_oracle(target, temperature):
     assert llm.engine.kv_tokens() == 0
 
 
+def test_seeded_sampling_equals_plain_decoding_alone_and_batched(target):
+    """Seeded requests (T = 1) speculating with the MTP head give exactly the tokens seeded plain decoding gives
+    (sampling/coupled.py), in a batch of 8 and alone, while drafts are accepted and rejected."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (5 + i % 3,), generator=g).tolist() for i in range(8)]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(8)]
+    plain = LLM(str(target["root"]), dtype="float32", max_model_len=128, max_num_seqs=1, progress=False)
+    want = [o.token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm = LLM(str(target["root"]), dtype="float32", max_model_len=128, max_num_seqs=8, progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False},
+              scheduler="static")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    accepted = sum(o.stats["num_accepted_tokens"] for o in outs)
+    assert 0 < accepted < sum(o.stats["num_draft_tokens"] for o in outs)
+    assert [o.token_ids for o in outs] == want
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, params[2], use_tqdm=False)[0].token_ids
+    assert alone == want[2]
+
+
 def test_state_oracle_catches_a_corrupted_mtp_row(target):
     """As in the engine: propose, no draft accepted, the pending token committed with its target state; the oracle
     passes, then fails naming a corrupted committed K row."""

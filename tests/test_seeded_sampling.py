@@ -17,8 +17,8 @@ from tests.helpers import chi2_pvalue
 from verispec.drafters.tree_growth import Growth
 from verispec.execution.tree_verify import verify_tree_seeded
 from verispec.execution.verify import Verdict, verify, verify_seeded
-from verispec.sampling import SamplingParams
-from verispec.sampling.coupled import DraftSampler, race_index, race_top
+from verispec.sampling import DraftSampler, SamplingParams
+from verispec.sampling.coupled import race_index, race_top
 
 V, LENGTH, BASE = 5, 3, 7  # vocabulary, continuation length, the absolute position of the first sampled token
 

@@ -12,7 +12,7 @@ import torch
 from tests.helpers import chi2_pvalue
 from verispec.drafters import tree_growth
 from verispec.drafters.tree_growth import Growth, draw_distinct
-from verispec.sampling.coupled import DraftSampler
+from verispec.sampling import DraftSampler
 from verispec.execution import tree_verify
 from verispec.models.tree import TreeDraft, ancestor_mask, depths, path_to
 from verispec.execution.tree_verify import verify_tree_greedy, verify_tree_sampled

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.sampling.coupled import DraftSampler
+from verispec.sampling import DraftSampler
 
 FILES = ("path_selector.json", "path_selector.safetensors")  # stored next to the DFlash checkpoint's own files
 

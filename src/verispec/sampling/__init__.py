@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from verispec.sampling.coupled import DraftSampler
+from verispec.sampling import coupled
+from verispec.sampling.coupled import race_index, race_rows
 
 
 GREEDY_EPS = 1e-5
@@ -108,11 +107,9 @@ class SamplingParams:
     def draft_sampler(self, device: torch.device | str, stream: str) -> "DraftSampler":
         """A sampling drafter's draws (None generator when greedy): coupled to the target's position noise when the
         request is seeded (and `coupled.COUPLE_DRAFTS`), else from the drafter's own stream."""
-        from verispec.sampling import coupled
-
         gen = None if self.greedy else self.make_generator(device, stream)
         couple = gen is not None and self.seed is not None and coupled.COUPLE_DRAFTS
-        return coupled.DraftSampler(gen, self.seed if couple else None)
+        return DraftSampler(gen, self.seed if couple else None)
 
 
 # The offset of each sampler's stream from the request's seed: the target's sampler and verifier, and each drafter
@@ -167,3 +164,28 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> list[
 def sample_index(p: torch.Tensor, generator: torch.Generator | None) -> int:
     """[V] probabilities -> one index drawn from them (`sample_rows` of one row)."""
     return sample_rows(p[None], generator)[0]
+
+
+@dataclass
+class DraftSampler:
+    """A sampling drafter's draws for one request: coupled (the target's position noise on the drafter's q) when
+    the request is seeded and `coupled`, else from its own generator (the Leviathan rule's independent draft)."""
+
+    generator: torch.Generator | None
+    seed: int | None = None  # set: coupled draws
+
+    @property
+    def coupled(self) -> bool:
+        return self.seed is not None
+
+    def index(self, q: torch.Tensor, position: int) -> int:
+        """A token drawn from q [V] for absolute position `position`."""
+        return sample_index(q, self.generator) if self.seed is None else race_index(q, self.seed, position)
+
+    def rows(self, q: torch.Tensor, first_position: int) -> list[int]:
+        """[M, V] -> one token per row, row j at position first_position + j."""
+        return sample_rows(q, self.generator) if self.seed is None else race_rows(q, self.seed, first_position)
+
+    def among(self, q: torch.Tensor, ids: torch.Tensor, position: int) -> int:
+        """An index into q [m], a distribution over the token ids `ids` [m], for `position`."""
+        return sample_index(q, self.generator) if self.seed is None else race_index(q, self.seed, position, ids)

@@ -17,7 +17,7 @@ are bitwise the same alone and in a verify block (batch invariance). The seed of
 vLLM), so its noise differs from choice 0's.
 
 Coupled drafting. A drafter that samples (draft model, EAGLE-3, DFlash, DSpark, MTP) draws its token at position
-i with the same noise from its own q_i: argmax q_i / E_i (`DraftSampler`). That draft is still an exact draw from q
+i with the same noise from its own q_i: argmax q_i / E_i (`DraftSampler`, in sampling/__init__.py). That draft is still an exact draw from q
 (the noise is independent of q), and it equals the target's token with probability >= (1 - TV) / (1 + TV)
 (Daliri et al. 2024, "Coupling without communication and drafter-invariant speculative decoding"), where
 independent noise would give sum_x p(x) q(x). Tree children are the top-m of q / E (Gumbel top-k: distinct, the
@@ -33,7 +33,6 @@ the draft by design).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from threading import Lock
 
 import numpy as np
@@ -114,34 +113,3 @@ def race_top(q: torch.Tensor, m: int, seed: int, position: int) -> list[int]:
         return []
     top = np.argpartition(-r, m - 1)[:m] if m < r.shape[0] else np.arange(r.shape[0])
     return top[np.argsort(-r[top], kind="stable")].tolist()
-
-
-@dataclass
-class DraftSampler:
-    """A sampling drafter's draws for one request: coupled (the target's position noise on the drafter's q) when
-    the request is seeded and `coupled`, else from its own generator (the Leviathan rule's independent draft)."""
-
-    generator: torch.Generator | None
-    seed: int | None = None  # set: coupled draws
-
-    @property
-    def coupled(self) -> bool:
-        return self.seed is not None
-
-    def index(self, q: torch.Tensor, position: int) -> int:
-        """A token drawn from q [V] for absolute position `position`."""
-        from verispec.sampling import sample_index
-
-        return sample_index(q, self.generator) if self.seed is None else race_index(q, self.seed, position)
-
-    def rows(self, q: torch.Tensor, first_position: int) -> list[int]:
-        """[M, V] -> one token per row, row j at position first_position + j."""
-        from verispec.sampling import sample_rows
-
-        return sample_rows(q, self.generator) if self.seed is None else race_rows(q, self.seed, first_position)
-
-    def among(self, q: torch.Tensor, ids: torch.Tensor, position: int) -> int:
-        """An index into q [m], a distribution over the token ids `ids` [m], for `position`."""
-        from verispec.sampling import sample_index
-
-        return sample_index(q, self.generator) if self.seed is None else race_index(q, self.seed, position, ids)
