@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from verispec.models.tree import TreeDraft
-from verispec.sampling.coupled import DraftSampler, race_top
+from verispec.sampling import DraftSampler
+from verispec.sampling.coupled import race_top
 
 TREE_TOPK = 4  # children considered per expanded node (EAGLE-2's top-k)
 NODES_PER_WIDTH = 16  # budget nodes per node expanded at each depth
