@@ -19,6 +19,8 @@ from verispec.sampling import SamplingParams
 from verispec.server.bounds import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_bookkeeping,
                                     echo_name, shown)
 from verispec.server.logprobs import parse_logprobs
+from verispec.server.structured import KEYS as STRUCTURED_KEYS
+from verispec.server.structured import parse_controls
 
 if TYPE_CHECKING:
     from verispec.api import LLM
@@ -152,16 +154,15 @@ def _token_ids(v: Any, key: str, vocab: int, most: int | None = None, why: str =
 
 # Fields accepted only at their neutral value: anything else is a feature verispec does not implement.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False),
-    "suffix": (None, ""), "min_tokens": (None, 0), "tools": (None, []),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
 }
 _HINTS: dict[str, str] = {}  # per neutral-only field: what to do instead
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # bookkeeping fields with no effect on the output
 _SAMPLING_KEYS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
                   "stop", "include_stop_str_in_output",
-                  "n", "stream", "stream_options", "return_token_ids", "top_logprobs", *_NEUTRAL, *_IGNORED}
+                  "n", "stream", "stream_options", "return_token_ids", "top_logprobs", *_NEUTRAL, *_IGNORED,
+                  *STRUCTURED_KEYS}
 COMPLETION_KEYS = _SAMPLING_KEYS | {"prompt", "logprobs"}
 CHAT_KEYS = _SAMPLING_KEYS | {"messages", "max_completion_tokens", "logprobs", "response_format",
                               "split_special_tokens"}
@@ -283,6 +284,12 @@ def _finish(kind: str, body: dict, llm: LLM, ids: list[int], max_key: str, defau
     n = _int(body, "n", 1, lo=1, hi=MAX_N, what=f" from 1 to {MAX_N} (choices per request)")
     top = parse_logprobs(body, kind, bad_request)
     params = params if top is None else replace(params, logprobs=top)
+    controls = parse_controls(body, llm, bad_request)  # structured outputs and sampling controls (server/structured.py)
+    if controls:
+        try:
+            params = replace(params, **controls)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
     stream, include_usage = _stream_flags(body)
     return ParsedRequest(kind, ids, params, stream, include_usage, _bool(body, "return_token_ids", False), n)
 
