@@ -16,6 +16,7 @@ from verispec.server.bounds import (MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, M
                                     MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 from verispec.server.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
 from verispec.server.structured import controls_schema
+from verispec.server.structured import controls_schema
 
 REF = "#/components/schemas/"
 ROLES = ["system", "developer", "user", "assistant", "tool"]
@@ -54,6 +55,7 @@ def _sampling(max_model_len: int, vocab: int, max_n: int) -> dict[str, Any]:
         "ignore_eos": _nullable({"type": "boolean"}),
         "return_token_ids": _nullable({"type": "boolean"}, description="each choice's token ids (vLLM)"),
         **controls_schema(vocab),
+        **controls_schema(vocab),
         "user": {"type": "string", "description": "ignored"},
         "metadata": _nullable({"type": "object", "maxProperties": MAX_METADATA_KEYS,
                                "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
@@ -90,8 +92,6 @@ def request_schemas(max_model_len: int, vocab: int, max_n: int) -> dict[str, Any
         "split_special_tokens": _nullable({"type": "boolean"}, description=(
             "true: special tokens typed in the messages' text (e.g. <|im_end|>) are tokenised as plain text; "
             "default false, as vLLM: they are parsed as the special tokens")),
-        "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}},
-                                      "required": ["type"], "additionalProperties": False}),
     }}
     return {"CompletionRequest": completion, "ChatCompletionRequest": chat, "ChatMessage": message}
 
