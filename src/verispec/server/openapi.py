@@ -16,7 +16,6 @@ from verispec.server.bounds import (MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, M
                                     MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 from verispec.server.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
 from verispec.server.structured import controls_schema
-from verispec.server.structured import controls_schema
 
 REF = "#/components/schemas/"
 ROLES = ["system", "developer", "user", "assistant", "tool"]
@@ -54,7 +53,6 @@ def _sampling(max_model_len: int, vocab: int, max_n: int) -> dict[str, Any]:
         "stop_token_ids": _nullable({**ids, "maxItems": MAX_STOP_TOKEN_IDS}),
         "ignore_eos": _nullable({"type": "boolean"}),
         "return_token_ids": _nullable({"type": "boolean"}, description="each choice's token ids (vLLM)"),
-        **controls_schema(vocab),
         **controls_schema(vocab),
         "user": {"type": "string", "description": "ignored"},
         "metadata": _nullable({"type": "object", "maxProperties": MAX_METADATA_KEYS,
