@@ -104,7 +104,7 @@ def _check_valid(spec, out):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=["json", "regex", "choice", "gbnf", "json_object"])
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_greedy_speculation_equals_plain_constrained(plain, draft_dir, spec, method):
     ref = _run(plain, spec, PROMPTS)
     cfg = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
@@ -156,12 +156,13 @@ REGEX = r"(a|b)(b|c)[abc]"
 
 
 def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"a": 0, "<s>": 1, "</s>": 2, "b": 3, "c": 4}
     t = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    t.decoder = decoders.ByteLevel()  # llguidance reads token bytes through the decoder (ASCII letters map to themselves)
     return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
 
 
