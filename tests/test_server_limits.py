@@ -53,7 +53,7 @@ BOUNDS = [  # (field, the most a request may send, one more than that), OK's fie
     ("metadata.k", {"metadata": {"k": "v" * 512}}, {"metadata": {"k": "v" * 513}}),
     ("prompt", {"prompt": [1] * (CTX - 1)}, {"prompt": [1] * CTX}),
     ("logit_bias", {"logit_bias": {}}, {"logit_bias": {str(i): 1 for i in range(1000)}}),
-    ("tools", {"tools": []}, {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("tools", {}, {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}),
 ]
 
 
