@@ -108,3 +108,69 @@ def test_bad_requests_are_400s_naming_the_field_while_another_decodes(served, ex
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.json()
         assert other.result().usage.completion_tokens == 30, "the request beside it is unharmed"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 16},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"], "additionalProperties": False,
+                                       "properties": {"zone": {"type": "string", "maxLength": 8}}}}}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def _check_calls(calls, tools):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls, "a tool call"
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_tool_calls_validate(served, choice):
+    client, _ = served
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                           max_tokens=70, temperature=1.0, seed=seed, parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, "required never returns plain text"
+        _check_calls(c.message.tool_calls, [WEATHER, TIME])
+        assert len(c.message.tool_calls) == 1
+        if isinstance(choice, dict):
+            assert c.message.tool_calls[0].function.name == "get_time"
+
+
+def test_tool_calls_streamed_as_deltas(served):
+    client, _ = served
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                            max_tokens=70, temperature=0, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                got = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                got["name"] += d.function.name or ""
+                got["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for c in calls.values():
+        jsonschema.validate(json.loads(c["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_auto_and_none_and_bad_tools(served):
+    import httpx
+
+    client, url = served
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=30,
+                                       temperature=0)
+    assert r.choices[0].message.tool_calls or isinstance(r.choices[0].message.content, str)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert not r.choices[0].message.tool_calls
+    for bad, param in [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+                       ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                        "tool_choice"),
+                       ({"tool_choice": "required"}, "tool_choice")]:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -21,6 +21,7 @@ from verispec.server.bounds import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_T
 from verispec.server.logprobs import parse_logprobs
 from verispec.server.structured import KEYS as STRUCTURED_KEYS
 from verispec.server.structured import parse_controls
+from verispec.server import tools as tools_
 
 if TYPE_CHECKING:
     from verispec.api import LLM
@@ -198,6 +199,7 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     n: int = 1  # choices: the server runs n engine requests (seeds seed + i)
+    tools: Any = None  # a chat request's tools (server/tools.py): its output is parsed into tool_calls
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -339,12 +341,9 @@ def _message(m: Any, i: int) -> dict[str, str]:
 
 
 def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
-    _check_keys(body, CHAT_KEYS)
+    _check_keys({k: v for k, v in body.items() if k not in tools_.KEYS}, CHAT_KEYS)
+    spec = tools_.parse_tools(body, bad_request)
     served.check(body.get("model"))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported by verispec.",
-                          "response_format")
     msgs = body.get("messages")
     if msgs is None:
         raise bad_request("Missing required field 'messages' (a list of {\"role\", \"content\"} objects).", "messages")
@@ -357,7 +356,7 @@ def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
     messages = [_message(m, i) for i, m in enumerate(msgs)]
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     try:
-        text = llm.apply_chat_template(messages)
+        text = llm.apply_chat_template(messages) if spec is None else tools_.render(llm, messages, spec)
     except ValueError as e:
         raise bad_request(f"{e}.", "messages") from None
     except Exception as e:  # a template may raise on unusual role orders
@@ -366,7 +365,24 @@ def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
         ids = _chat_ids_split(llm, messages)
     else:  # as vLLM: the template holds the special tokens, and so may the messages' text
         ids = list(llm.tokenizer(text, add_special_tokens=False)["input_ids"])
-    return _finish("chat", body, llm, ids, max_key, None)
+    parsed = _finish("chat", body, llm, ids, max_key, None)
+    return parsed if spec is None else _with_tools(parsed, spec, llm)
+
+
+def _with_tools(parsed: ParsedRequest, spec: Any, llm: LLM) -> ParsedRequest:
+    """A tools request: `required` / a named function constrain the output to tool calls (server/tools.py)."""
+    g = tools_.grammar(spec)
+    params = parsed.params
+    if g is not None:
+        if params.structured_outputs is not None:
+            raise bad_request("'tool_choice' required or a named function cannot go with 'response_format' or "
+                              "'structured_outputs'.", "tool_choice")
+        try:
+            llm.processors.compiler.compile(g)
+        except ValueError as e:
+            raise bad_request(f"'tools': a function's parameters could not be compiled: {e}", "tools") from None
+        params = replace(params, structured_outputs=g)
+    return replace(parsed, params=params, tools=spec)
 
 
 _MARK = re.compile("\ue000(\\d+)\ue001")  # a message's place in the rendered template (private-use characters)
@@ -414,7 +430,11 @@ class ResponseBuilder:
 
     def _choice(self, text: str, token_ids: list[int], finish: str | None, delta: bool,
                 stop_reason: str | None = None, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
-        if self.req.kind == "chat":
+        if self.req.kind == "chat" and self.req.tools is not None:
+            key = "delta" if delta else "message"
+            val, finish = tools_.message(text, finish, delta)
+            choice = {"index": index, key: val, "logprobs": logprobs, "finish_reason": finish}
+        elif self.req.kind == "chat":
             key, val = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
             choice = {"index": index, key: val, "logprobs": logprobs, "finish_reason": finish}
         else:
@@ -460,6 +480,12 @@ class ResponseBuilder:
 
     def delta_chunk(self, text: str, token_ids: list[int], finish: str | None, stop_reason: str | None = None,
                     index: int = 0, logprobs: dict | None = None) -> str:
+        if self.req.kind == "chat" and self.req.tools is not None:  # tool calls: the whole text, parsed at the end
+            held = self.__dict__.setdefault("_held", {})
+            held[index] = held.get(index, "") + text
+            if finish is None:
+                return ""
+            text = held.pop(index)
         choice = self._choice(text, token_ids, finish, True, stop_reason, index, logprobs)
         if self.req.kind == "chat" and finish is not None and not text:
             choice["delta"] = {}
