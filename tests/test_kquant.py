@@ -34,14 +34,15 @@ except KernelUnavailable as e:  # no C compiler: only the fallback tests below r
     LIB, WHY = None, str(e)
 needs_kernel = pytest.mark.skipif(LIB is None, reason="verispec's CPU kernel cannot be built here")
 
-NEW = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+NEW = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 ALL = ("Q4_0", "Q4_1", "Q8_0") + NEW
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q3_K": (256, 110), **kquant.FILE_BLOCKS}
 # format -> (byte offset of an fp16 scale, its range) for each scale a block holds: the rest of a block is any bytes
 SCALES = {"Q4_0": [(0, 2e-3, 2e-2)], "Q4_1": [(0, 2e-3, 2e-2), (2, -0.1, 0.0)], "Q8_0": [(0, 2e-4, 2e-3)],
           "Q5_0": [(0, 1e-3, 1e-2)], "Q5_1": [(0, 1e-3, 1e-2), (2, -0.1, 0.0)],
           "Q4_K": [(0, 5e-5, 2e-4), (2, 0.0, 2e-4)], "Q5_K": [(0, 3e-5, 1e-4), (2, 0.0, 2e-4)],
-          "Q6_K": [(208, 1e-5, 4e-5)], "Q3_K": [(108, 1e-4, 5e-4)]}
+          "Q6_K": [(208, 1e-5, 4e-5)], "Q3_K": [(108, 1e-4, 5e-4)], "IQ4_NL": [(0, 1e-4, 4e-4)],
+          "IQ4_XS": [(0, 5e-6, 2e-5)]}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -78,7 +79,7 @@ def test_decoding_is_ggufs_dequantisation_bit_for_bit(kind: str) -> None:
     ref = dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
     assert ours.dtype == ref.dtype == np.float32 and np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
     levels = kquant.decode(raw, kind)["q"]
-    assert levels.max() == {"Q4_K": 15, "Q6_K": 63}.get(kind, 31)  # every level occurs, the top one included
+    assert levels.max() == {"Q4_K": 15, "Q6_K": 63, "IQ4_NL": 15, "IQ4_XS": 15}.get(kind, 31)  # the top level occurs
 
 
 def bodies() -> list[str]:
@@ -278,6 +279,33 @@ def test_a_tiny_gguf_in_each_format_runs_on_its_blocks_and_decodes_as_the_refere
     ref.head_weight = _RefLinear(ref.output_weight())
     prompt = [1, 17, 42, 5, 99, 23]
     assert greedy(ours, prompt, 10) == greedy(ref, prompt, 10)
+
+
+@needs_kernel
+def test_a_mixed_files_rows_do_not_depend_on_their_batch_on_any_body(tmp_path) -> None:
+    """The whole decoder (one kernel call) and the head of the mixed tiny file: a sequence's logits alone equal its
+    logits beside another sequence, on every body, and every body gives the portable body's bits."""
+    from verispec.models.llama import Segment
+    from verispec.models.loader import load_model
+
+    path = tmp_path / "tiny-mixed.gguf"
+    write_tiny(path, None)
+    model, _ = load_model(str(path), dtype="float32", quantization="gguf-q8act", progress=False)
+    a, b = torch.tensor([3, 14, 15, 92, 65, 35, 89]), torch.tensor([27, 18, 28])
+    runs = {}
+    for body in LIB.bodies:
+        with LIB.running(body), torch.inference_mode():
+            cache = model.new_cache(16, num_slots=2)
+            s0, s1 = cache.allocate(), cache.allocate()
+            both = model(torch.cat([a, b]), [Segment(s0, 0, 7), Segment(s1, 0, 3)], cache,
+                         logits_indices=range(10)).logits
+            alone_cache = model.new_cache(16)
+            s = alone_cache.allocate()
+            alone = model(a, [Segment(s, 0, 7)], alone_cache, logits_indices=range(7)).logits
+        assert torch.equal(both[:7], alone), body
+        runs[body] = both
+    for body, logits in runs.items():
+        assert torch.equal(logits, runs["portable"]), body
 
 
 def test_formats_without_a_body_are_reported_with_their_cost(tmp_path, capsys) -> None:

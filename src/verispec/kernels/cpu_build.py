@@ -26,7 +26,8 @@ from verispec.kernels.cpu import cpu_info
 log = logging.getLogger(__name__)
 
 SOURCE = "cpu.c"
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}  # the C enum
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "IQ4_NL": 8,
+         "IQ4_XS": 9}  # the C enum
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 BODIES = {"portable": 1, "avx2": 2, "avx512-vnni": 3}  # the C enum VS_BODY_*; 0 = the active one

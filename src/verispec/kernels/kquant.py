@@ -1,5 +1,5 @@
-"""GGUF's 5-bit and K-quant formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) read from their file blocks and repacked, exactly,
-into the x8 layout of verispec's CPU kernel (csrc/cpu.c's header describes it).
+"""GGUF's 5-bit, K-quant and IQ4 formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) read from their file blocks
+and repacked, exactly, into the x8 layout of verispec's CPU kernel (csrc/cpu.c's header describes it).
 
 Each format's blocks are decoded to unsigned levels q per element and their scales: then
   Q5_0  w = d (q - 16)             per 32, q 0..31: d fp16, kept as stored (min -16 d in the kernel)
@@ -7,13 +7,16 @@ Each format's blocks are decoded to unsigned levels q per element and their scal
   Q4_K  w = (d sc_j) q - dmin m_j  per sub-block j (32 elements) of 256: d, dmin fp16 -> fp32, sc_j, m_j 6-bit
   Q5_K  the same with q 0..31
   Q6_K  w = (d sc_h) (q - 32)      per half-block h (16 elements) of 256: d fp16 -> fp32, sc_h int8, q 0..63
+  IQ4_NL  w = d IQ4[q]             per 32: d fp16, q 0..15 indexing 16 fixed int8 values (llama.cpp's kvalues)
+  IQ4_XS  w = (d (ls_j - 32)) IQ4[q]  per sub-block j (32) of 256: d fp16 -> fp32, ls_j 6-bit
 and laid out per 8 output rows: the low 4 bits of q in the nibble groups Q4_0 / Q4_1 use, the bits above in planes
 after them, the per-256 scales widened to fp32 (d sc_j and dmin m_j are then exact fp32 products, 11 x 6 bits).
 So a sub-block of Q4_K / Q5_K is a Q4_1-style block of scale d sc_j and min -dmin m_j, both exact, and the kernel
 runs Q4_1's arithmetic on it; Q6_K's two scales per 32 are applied to the halves' exact integer sums.
 
 Bits per weight, repacked against the file: Q4_K 4.75 / 4.5, Q5_K 5.75 / 5.5, Q6_K 6.625 / 6.5625, Q5_0 5.5 / 5.5,
-Q5_1 6.0 / 6.0 (the extra is the fp32 superblock scales and the 6-bit sub-block scales kept one byte each).
+Q5_1 6.0 / 6.0, IQ4_NL 4.5 / 4.5, IQ4_XS 4.375 / 4.25 (the extra is the fp32 superblock scales and the 6-bit
+sub-block scales kept one byte each).
 
 Activations: rounded to int8 with one scale per 32 values for every format, as for Q4_0 / Q8_0 (llama.cpp rounds
 them per 256 against the K-quants, its Q8_K). Per 32 is the finer rounding (an outlier spoils 32 values, not 256):
@@ -28,8 +31,10 @@ import numpy as np
 ROWS = 8
 # format -> (elements per file block, bytes per file block)
 FILE_BLOCKS: dict[str, tuple[int, int]] = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144),
-                                           "Q5_K": (256, 176), "Q6_K": (256, 210)}
-HIGH_BITS = {"Q5_0": 1, "Q5_1": 1, "Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
+                                           "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
+                                           "IQ4_XS": (256, 136)}
+HIGH_BITS = {"Q5_0": 1, "Q5_1": 1, "Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "IQ4_NL": 0, "IQ4_XS": 0}
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -58,6 +63,16 @@ def decode(raw: np.ndarray, kind: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{kind}: rows of {raw.shape[1:]} bytes are not whole {size}-byte blocks")
     b = raw.reshape(n, -1, size)
     nb = b.shape[1]
+    if kind == "IQ4_NL":  # d, then 16 bytes: element l in the low nibble of byte l, l + 16 in its high one
+        return {"q": np.concatenate([b[:, :, 2:] & 15, b[:, :, 2:] >> 4], -1).reshape(n, -1), "d": _f16(b[:, :, 0:2])}
+    if kind == "IQ4_XS":  # d, 2 bytes of high and 4 of low scale bits, then 16 nibble bytes per sub-block as IQ4_NL
+        hi = b[:, :, 2:4].copy().view(np.uint16)  # [N, nb, 1]
+        lo = b[:, :, 4:8]
+        ls = ((lo[:, :, :, None] >> np.array([0, 4], np.uint8)) & 15).reshape(n, nb, 8)
+        ls = ls | (((hi >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8) << 4)
+        qs = b[:, :, 8:].reshape(n, nb, 8, 16)
+        q = np.concatenate([qs & 15, qs >> 4], -1).reshape(n, -1)
+        return {"q": q, "d": _f16(b[:, :, 0:2]), "ls": (ls.astype(np.int16) - 32).astype(np.int8)}
     if kind in ("Q5_0", "Q5_1"):
         at = 4 if kind == "Q5_1" else 2
         qh = np.unpackbits(b[:, :, at : at + 4], axis=-1, bitorder="little")  # [N, nb, 32]: bit j of element j
@@ -88,6 +103,12 @@ def dequantize(dec: dict[str, np.ndarray], kind: str) -> np.ndarray:
     """[N, K] float32 from `decode`'s levels and scales, in gguf's fp32 arithmetic (for the tests' oracle)."""
     q = dec["q"].astype(np.float32)
     n, k = q.shape
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        v = IQ4_VALUES[dec["q"]].astype(np.float32)
+        if kind == "IQ4_NL":
+            return (dec["d"].astype(np.float32)[:, :, None] * v.reshape(n, -1, 32)).reshape(n, k)
+        dl = (dec["d"].astype(np.float32)[:, :, None] * dec["ls"].astype(np.float32))[..., None]
+        return (dl * v.reshape(n, -1, 8, 32)).reshape(n, k)
     if kind in ("Q5_0", "Q5_1"):
         d = dec["d"].astype(np.float32)[:, :, None]
         qb = q.reshape(n, -1, 32)
@@ -137,13 +158,15 @@ def pack(raw: np.ndarray, kind: str) -> np.ndarray:
     dec = decode(padded, kind)
     g = rows // ROWS
     quants = _groups(dec["q"], kind)  # [G, K/32, bytes]
-    if kind in ("Q5_0", "Q5_1"):
+    if kind in ("Q5_0", "Q5_1", "IQ4_NL"):
         lead = [_by_rows(dec["d"], g)] + ([_by_rows(dec["m"], g)] if kind == "Q5_1" else [])
         return np.ascontiguousarray(np.concatenate([*lead, quants], -1))
     ns = quants.shape[1] // 8
     head = [_by_rows(dec["d"].astype(np.float32), g)]
     if kind == "Q6_K":
         head.append(_by_rows(dec["sc"], g))  # [G, ns, 16 halves x 8 rows]
+    elif kind == "IQ4_XS":
+        head.append(_by_rows(dec["ls"], g))  # [G, ns, 8 sub-blocks x 8 rows]: ls_j - 32
     else:
         head += [_by_rows(-dec["dmin"].astype(np.float32), g), _by_rows(dec["sc"], g), _by_rows(dec["mn"], g)]
     return np.ascontiguousarray(np.concatenate([*head, quants.reshape(g, ns, -1)], -1))

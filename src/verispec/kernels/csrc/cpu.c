@@ -25,11 +25,14 @@
  *     d[8] fp32 | -dmin[8] fp32 | sc[8 sub-blocks][8 rows] u8 | m[8][8] u8 | 8 x (128 nibble bytes | 32 high bytes
  *     (Q5_K)); a sub-block is then a 32-block of scale d sc_j and min -dmin m_j, both exact in fp32;
  *   Q6_K (w = d sc_h (q - 32) per 16-element half h): d[8] fp32 | sc[16 halves][8 rows] s8 | 8 x (128 nibble bytes
- *     | 64 bytes of 2 high bits: groups 0..3 then 4..7, bits 2(G % 4) .. + 1).
+ *     | 64 bytes of 2 high bits: groups 0..3 then 4..7, bits 2(G % 4) .. + 1);
+ *   IQ4_NL (w = d IQ4[q] per 32, a table of 16 int8 values): d[8] fp16 | 128 nibble bytes; IQ4_XS (w = d (ls_j - 32)
+ *     IQ4[q] per sub-block j of 256): d[8] fp32 | ls_j - 32 [8][8] s8 | 8 x 128 nibble bytes.
  * For those, per block (G: groups of 4 elements, S: the exact integer sum of q_w q_x):
  *   Q5_0 / Q5_1 / Q4_K / Q5_K: as Q4_1 with their d and m (acc = fma(float(S), d * s_x, acc), mins = fma(m, ss))
  *   Q6_K: I = sc_a (S_a - 32 X_a) + sc_b (S_b - 32 X_b) over the block's halves (X: their sums of q_x), exact in
  *     int32; acc = fma(float(I), d * s_x, acc).
+ *   IQ4_NL / IQ4_XS: as Q8_0 with the table's values as weights (d, or d (ls_j - 32), as its scale).
  * A weight may be several parts stacked along N, each in its own format (`layout`: kind, rows, byte offset per
  * part): a mixed file's fused q|k|v runs each tensor on its own blocks with the activations quantised once.
  *
@@ -54,13 +57,17 @@
 #endif
 
 #define QK 32
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, NKINDS = 8 };
-static const int TILE_BYTES[NKINDS] = {144, 160, 272, 176, 192, 1216, 1472, 1696};
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8, IQ4_XS = 9,
+       NKINDS = 10 };
+static const int TILE_BYTES[NKINDS] = {144, 160, 272, 176, 192, 1216, 1472, 1696, 144, 1120};
+/* IQ4_NL / IQ4_XS: a nibble indexes these int8 values (llama.cpp's kvalues_iq4nl) */
+static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* bytes of one x8 tile (8 rows x 32 elements), or of one 8-row superblock (8 rows x 256) of a K-quant */
 int vs_tile_bytes(int kind) { return kind >= 0 && kind < NKINDS ? TILE_BYTES[kind] : -1; }
 
-static inline int kquant(int kind) { return kind >= Q4_K; }
+static inline int kquant(int kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == IQ4_XS; }
+static inline int iq4(int kind) { return kind == IQ4_NL || kind == IQ4_XS; }
 
 /* the tile (32-block kinds) or superblock (K-quants) holding group g's block b, of nb blocks per row */
 static inline const uint8_t *tile_at(const uint8_t *w, int kind, int64_t nb, int64_t g, int64_t b) {
@@ -74,6 +81,7 @@ static inline int64_t quant_off(int kind, int64_t b) {
     case Q4_K: return 192 + (b % 8) * 128;
     case Q5_K: return 192 + (b % 8) * 160;
     case Q6_K: return 160 + (b % 8) * 192;
+    case IQ4_XS: return 96 + (b % 8) * 128;
     default: return 16;
     }
 }
@@ -260,6 +268,7 @@ static inline float tile_half(const uint8_t *p, int i) { uint16_t h; memcpy(&h, 
 static inline int32_t gen_quant(const uint8_t *qs, int kind, int i, int j) {
     const int jj = j & 15, G = j / 4, e = j % 4;
     int32_t v = (qs[(jj / 4) * 32 + i * 4 + e] >> (j < 16 ? 0 : 4)) & 15;
+    if (iq4(kind)) return IQ4[v];
     if (kind == Q6_K) v |= ((qs[128 + (G / 4) * 32 + i * 4 + e] >> (2 * (G % 4))) & 3) << 4;
     else if (kind != Q4_K) v |= ((qs[128 + i * 4 + e] >> G) & 1) << 4;
     return v;
@@ -274,6 +283,8 @@ static inline void gen_params(const uint8_t *t, int kind, int64_t b, int i, floa
     *sa = *sb = 0;
     *m = 0.0f;
     if (kind == Q5_0) { *d = tile_half(t, i); *m = -16.0f * *d; }
+    else if (kind == IQ4_NL) *d = tile_half(t, i);
+    else if (kind == IQ4_XS) *d = tile_f32(t, i) * (float)(int8_t)t[32 + 8 * j + i]; /* d (ls_j - 32), exact */
     else if (kind == Q5_1) { *d = tile_half(t, i); *m = tile_half(t + 16, i); }
     else if (kind == Q6_K) {
         *d = tile_f32(t, i);
@@ -305,6 +316,8 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
                 if (kind == Q6_K) {
                     const int32_t I = sa * (lo - 32 * x->q16[2 * rb]) + sb * (hi - 32 * x->q16[2 * rb + 1]);
                     acc = fmaf((float)I, d * x->s[rb], acc);
+                } else if (iq4(kind)) {
+                    acc = fmaf((float)(lo + hi), d * x->s[rb], acc);
                 } else {
                     acc = fmaf((float)(lo + hi), d * x->s[rb], acc);
                     mins = fmaf(m, x->ss[rb], mins);
@@ -408,6 +421,11 @@ static inline __attribute__((always_inline)) void gen_unpack8(const uint8_t *qs,
         wv[k] = _mm256_and_si256(v, lo);
         wv[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
     }
+    if (iq4(kind)) { /* IQ4: the nibbles index IQ4's signed values (one table lookup per byte) */
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4));
+        for (int G = 0; G < 8; G++) wv[G] = _mm256_shuffle_epi8(lut, wv[G]);
+        return;
+    }
     if (kind == Q6_K) {
         const __m256i h0 = _mm256_loadu_si256((const __m256i *)(qs + 128)),
                       h1 = _mm256_loadu_si256((const __m256i *)(qs + 160)), m = _mm256_set1_epi8(0x30);
@@ -429,7 +447,12 @@ static inline __m256 u8_to_ps(const uint8_t *p) { /* 8 bytes -> 8 floats */
 static inline __attribute__((always_inline)) void gen_params8(const uint8_t *t, const int kind, int64_t b,
         __m256 *d, __m256 *m, __m256i *sa, __m256i *sb) {
     const int j = (int)(b % 8);
-    if (kind == Q5_0 || kind == Q5_1) {
+    if (kind == IQ4_NL) {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+    } else if (kind == IQ4_XS) {
+        *d = _mm256_mul_ps(_mm256_loadu_ps((const float *)t),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 32 + 8 * j)))));
+    } else if (kind == Q5_0 || kind == Q5_1) {
         *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         *m = kind == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)))
                           : _mm256_mul_ps(*d, _mm256_set1_ps(-16.0f));
@@ -450,6 +473,16 @@ static inline __attribute__((always_inline)) void gen_dot(const __m256i *wv, con
                                                            __m256i *sa, __m256i *sb) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[8];
+    if (iq4(kind)) { /* signed weights: |w| against sign(w) x, each group madd'ed alone (as Q8_0's) */
+        __m256i s32 = _mm256_setzero_si256();
+        for (int G = 0; G < 8; G++) {
+            const __m256i x = _mm256_load_si256((const __m256i *)(xb + 32 * G));
+            s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv[G], wv[G]),
+                                                                               _mm256_sign_epi8(x, wv[G])), ones));
+        }
+        *sa = s32;
+        return;
+    }
     for (int G = 0; G < 8; G++) p[G] = _mm256_maddubs_epi16(wv[G], _mm256_load_si256((const __m256i *)(xb + 32 * G)));
     if (kind == Q4_K) {
         __m256i s16 = p[0];
@@ -469,17 +502,19 @@ static inline __attribute__((always_inline)) void gen_dot(const __m256i *wv, con
 
 #ifdef VS_AVX512
 /* gen_dot's sums with vpdpbusd from the block's 32 int8 activations xq (no int16 limit) */
-static inline __attribute__((always_inline)) void gen_dot_vnni(const __m256i *wv, const int8_t *xq, const int kind,
-                                                                __m256i *sa, __m256i *sb) {
+static inline __attribute__((always_inline)) void gen_dot_vnni(const __m256i *wv, const int8_t *xq, int32_t qsum,
+                                                                const int kind, __m256i *sa, __m256i *sb) {
     __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+    const __m256i flip = _mm256_set1_epi8(iq4(kind) ? (char)0x80 : 0); /* IQ4: w + 128 (unsigned), 128 sum(x) off */
     for (int G = 0; G < 4; G++) {
         int32_t e0, e1;
         memcpy(&e0, xq + 4 * G, 4);
         memcpy(&e1, xq + 16 + 4 * G, 4);
-        a = _mm256_dpbusd_epi32(a, wv[G], _mm256_set1_epi32(e0));
-        c = _mm256_dpbusd_epi32(c, wv[G + 4], _mm256_set1_epi32(e1));
+        a = _mm256_dpbusd_epi32(a, _mm256_xor_si256(wv[G], flip), _mm256_set1_epi32(e0));
+        c = _mm256_dpbusd_epi32(c, _mm256_xor_si256(wv[G + 4], flip), _mm256_set1_epi32(e1));
     }
     if (kind == Q6_K) *sa = a, *sb = c;
+    else if (iq4(kind)) *sa = _mm256_sub_epi32(_mm256_add_epi32(a, c), _mm256_set1_epi32(128 * qsum));
     else *sa = _mm256_add_epi32(a, c);
 }
 #endif
@@ -509,7 +544,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
             for (int t_ = 0; t_ < RT; t_++) {
                 const int64_t rb = (r0 + t_) * nb + b;
 #ifdef VS_AVX512
-                if (vnni) gen_dot_vnni(wv, x->q + (r0 + t_) * K + b * QK, kind, &sa, &sb);
+                if (vnni) gen_dot_vnni(wv, x->q + (r0 + t_) * K + b * QK, x->qsum[rb], kind, &sa, &sb);
                 else
 #endif
                     gen_dot(wv, x->qb + rb * 256, kind, &sa, &sb);
@@ -519,6 +554,8 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
                         _mm256_mullo_epi32(ca, _mm256_sub_epi32(sa, _mm256_set1_epi32(32 * x->q16[2 * rb]))),
                         _mm256_mullo_epi32(cb, _mm256_sub_epi32(sb, _mm256_set1_epi32(32 * x->q16[2 * rb + 1]))));
                     acc[t_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), dx, acc[t_]);
+                } else if (iq4(kind)) {
+                    acc[t_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), dx, acc[t_]);
                 } else {
                     acc[t_] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), dx, acc[t_]);
                     mins[t_] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->ss[rb]), mins[t_]);
@@ -586,7 +623,9 @@ static inline __attribute__((always_inline)) void group_of(const uint8_t *w, int
     case Q5_1: group(w, Q5_1, x, M, N, K, g, o, vnni); break;
     case Q4_K: group(w, Q4_K, x, M, N, K, g, o, vnni); break;
     case Q5_K: group(w, Q5_K, x, M, N, K, g, o, vnni); break;
-    default: group(w, Q6_K, x, M, N, K, g, o, vnni); break;
+    case Q6_K: group(w, Q6_K, x, M, N, K, g, o, vnni); break;
+    case IQ4_NL: group(w, IQ4_NL, x, M, N, K, g, o, vnni); break;
+    default: group(w, IQ4_XS, x, M, N, K, g, o, vnni); break;
     }
 }
 
@@ -662,7 +701,8 @@ static inline __attribute__((always_inline)) void gen_pair(const uint8_t *w, con
     gen_params8(ta, kind, b, &d0, &m0, &sa0, &sb0);
     gen_params8(tc, kind, b, &d1, &m1, &sa1, &sb1);
     __m512i wv[8];
-    for (int G = 0; G < 8; G++) wv[G] = cat_si(a[G], c[G]);
+    const __m512i flip = _mm512_set1_epi8(iq4(kind) ? (char)0x80 : 0); /* IQ4: w + 128, as gen_dot_vnni */
+    for (int G = 0; G < 8; G++) wv[G] = _mm512_xor_si512(cat_si(a[G], c[G]), flip);
     const __m512 d = cat_ps(d0, d1), m = cat_ps(m0, m1);
     const __m512i ca = cat_si(sa0, sa1), cb = cat_si(sb0, sb1);
     for (int t = 0; t < RT; t++) {
@@ -682,6 +722,9 @@ static inline __attribute__((always_inline)) void gen_pair(const uint8_t *w, con
                 _mm512_mullo_epi32(ca, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * x->q16[2 * rb]))),
                 _mm512_mullo_epi32(cb, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * x->q16[2 * rb + 1]))));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), dx, acc[t]);
+        } else if (iq4(kind)) {
+            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * x->qsum[rb]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), dx, acc[t]);
         } else {
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dx, acc[t]);
             mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->ss[rb]), mins[t]);
@@ -772,7 +815,9 @@ static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, i
         case Q5_1: pair(w, Q5_1, x, M, N, K, 2 * p, o); break;
         case Q4_K: pair(w, Q4_K, x, M, N, K, 2 * p, o); break;
         case Q5_K: pair(w, Q5_K, x, M, N, K, 2 * p, o); break;
-        default: pair(w, Q6_K, x, M, N, K, 2 * p, o); break;
+        case Q6_K: pair(w, Q6_K, x, M, N, K, 2 * p, o); break;
+        case IQ4_NL: pair(w, IQ4_NL, x, M, N, K, 2 * p, o); break;
+        default: pair(w, IQ4_XS, x, M, N, K, 2 * p, o); break;
         }
     }
 }
