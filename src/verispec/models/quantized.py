@@ -3,10 +3,10 @@ the file's own blocks (no requantisation).
 - `quantization="gguf"` (`quantize_from_gguf`, bf16): every linear whose GGUF tensors are all Q4_0 / Q4_1 becomes
   an `Int4Weight` (kernels/int4.py: aten's CPU int4 kernel, bf16 activations). The head stays dense.
 - `quantization="gguf-q8act"` (`quantize_q8act`, fp32 activations): every linear whose GGUF tensors are in the
-  kernel's formats (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS, any mix: each part of a fused weight
-  runs on its own format) becomes a `Q8ActWeight` (kernels/q8act.py: verispec's kernel, int8 activations per 32),
-  and so does the output head (the tied embedding's blocks, or `output.weight`); attention runs on verispec's fp32
-  CPU kernel (`Library.attention`).
+  kernel's formats (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS, any mix: each part of
+  a fused weight runs on its own format) becomes a `Q8ActWeight` (kernels/q8act.py: verispec's kernel, int8
+  activations per 32), and so does the output head (the tied embedding's blocks, or `output.weight`); attention
+  runs on verispec's fp32 CPU kernel (`Library.attention`).
 Fused weights stack their parts along N as the HF loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp
 stores a "llama" model's q and k rows permuted for its RoPE layout; they are un-permuted here exactly as
 transformers' GGUF loader does, so row i of every weight is the dense model's row i. Norms, biases and the

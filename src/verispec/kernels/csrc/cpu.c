@@ -450,8 +450,8 @@ static inline __attribute__((always_inline)) void gen_params8(const uint8_t *t, 
     if (kind == IQ4_NL) {
         *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
     } else if (kind == IQ4_XS) {
-        *d = _mm256_mul_ps(_mm256_loadu_ps((const float *)t),
-                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 32 + 8 * j)))));
+        const __m128i ls = _mm_loadl_epi64((const __m128i *)(t + 32 + 8 * j)); /* ls_j - 32, int8 */
+        *d = _mm256_mul_ps(_mm256_loadu_ps((const float *)t), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ls)));
     } else if (kind == Q5_0 || kind == Q5_1) {
         *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         *m = kind == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)))
