@@ -3,7 +3,8 @@ Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) times activations quantised to int8 per 
 kernel (csrc/cpu.c, built by kernels/cpu_build.py). This is the arithmetic llama.cpp runs on a CPU: the weights
 are exactly the file's, the activations are rounded to 8 bits with one scale per 32 values of a row (llama.cpp
 rounds per 256 against K-quants: see kernels/kquant.py), and the products are summed in integers. A row's result
-depends on that row alone (per-row, per-block scales; a fixed order per output), so it is batch-invariant by construction.
+depends on that row alone (per-row, per-block scales; a fixed order per output), so it is batch-invariant by
+construction.
 
 The blocks are kept byte for byte; only their order changes: eight output rows are interleaved per block
 ("x8" tiles, see the C source) so that one vector's lanes are eight outputs. A weight may stack parts of different
