@@ -168,6 +168,14 @@ class LLM:
                 f"invariant=True, but on this machine the {self.path_choice.path.name} path's linears round a row "
                 f"differently by batch size (measured: {bad}); use dtype='bfloat16' or quantization='gguf'")
         self.model.batch_invariant = measured if invariant is None else invariant
+        if invariant is None and not measured:  # a path that breaks bitwise identity is never chosen silently
+            bad = ", ".join(n for n, ok in self.linear_invariance.items() if not ok)
+            msg = (f"verispec: the {self.path_choice.path.name} path is not batch-invariant on this machine "
+                   f"({bad} round a row differently by batch size): greedy speculative output equals plain only up "
+                   f"to near-ties; invariant=True (--invariant) refuses such a path")
+            log.warning("%s", msg)
+            if self.args.progress:
+                print(msg, file=sys.stderr, flush=True)
 
     def _parse_speculation(self, speculative_config: Mapping[str, Any] | SpeculativeConfig | None
                            ) -> SpeculativeConfig:

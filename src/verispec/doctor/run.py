@@ -225,8 +225,10 @@ def _identity(ctx: Ctx) -> list[C.Check]:
     n = sum(len(p.token_ids) for p in plain)
     tau = sum(s.stats.get("mean_acceptance_length", 0.0) for s in spec) / len(spec)
     note = f"; near-ties only: {'; '.join(ties)}" if ties else ""
+    invariant = ("batch-invariant: on == off bitwise" if ctx.llm.model.batch_invariant else
+                 "NOT batch-invariant on this machine: on == off only up to near-ties")
     return [C.passed(name, f"{len(prompts)} prompts x {ctx.opts.max_tokens} tokens: on == off ({n} tokens), "
-                     f"tau {tau:.2f}{note}")]
+                     f"tau {tau:.2f}; path {ctx.llm.path_choice.path.name}, {invariant}{note}")]
 
 
 def _state(ctx: Ctx) -> list[C.Check]:
