@@ -20,7 +20,7 @@ def test_the_cache_keeps_the_newest_outputs_within_its_token_bound():
     for out in (a, b, c):
         cache.add_output(out)
     assert len(cache) == 2 and cache.tokens == 8  # a went: 12 tokens > 10
-    probe = lambda ctx: SuffixDrafter(cache, prompt_len=0).propose(ctx, 2).tokens  # noqa: E731
+    probe = lambda ctx: SuffixDrafter(cache, prompt_len=0).propose(ctx, 2).tokens
     assert probe([1, 50, 51]) == [] and probe([1, 60, 61]) == [62, 63] and probe([1, 70, 71]) == [72, 73]
     cache.add_output(list(range(100, 120)))  # longer than the bound alone: its last 10 tokens
     assert len(cache) == 1 and cache.tokens == 10 and probe([1, 60, 61]) == [] and probe([1, 113, 114]) == [115, 116]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from verispec.bench.workloads import DEFAULT_MAX_TOKENS, WorkloadPrompt, parse_jsonl
 
