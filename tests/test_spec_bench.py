@@ -67,3 +67,19 @@ def test_tables_pool_mt_bench_and_take_geometric_means():
     assert tasks[0]["speedup"] == pytest.approx(2.0)  # (0.5 * 2 * 8) ** (1/3)
     assert tasks[0]["identical"] == "2/3" and (tasks[0]["min"], tasks[0]["max"]) == (0.5, 8.0)
     assert tasks[-1]["speedup"] == pytest.approx(math.prod([0.5, 2.0, 8.0, 1.5]) ** 0.25)
+
+
+def test_bench_single_reports_spec_bench_tables(tiny_dir, tmp_path):
+    from verispec import LLM
+    from verispec.bench.single import run_single
+
+    f = _write(tmp_path / "question.jsonl", [_q(1, "writing", "a b c a b c a b"), _q(2, "rag", "1, 2, 3, 1, 2, 3,"),
+                                              _q(3, "rag", "x y x y x")])
+    llm = LLM(str(tiny_dir), dtype="float32", progress=False, max_num_seqs=1)
+    rep = run_single(methods=("ngram",), limit=1, max_tokens=6, k=2, progress=False, llm=llm, spec_bench=str(f))
+    assert {r["workload"] for r in rep.records} == {"writing", "rag"}  # one question per category
+    titles = [t.title for t in rep.tables]
+    assert "Spec-Bench per category: ngram" in titles and "Spec-Bench per task: ngram" in titles
+    tasks = next(t for t in rep.tables if t.title == "Spec-Bench per task: ngram").rows
+    assert [r["name"] for r in tasks] == ["Multi-turn Conversation", "Retrieval-aug. Generation", "Overall"]
+    assert all(r["identical"] == "1/1" for r in tasks[:2])
