@@ -82,7 +82,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
+def http(url: str, body: dict | None = None, timeout: float = 3600.0) -> bytes:
+    """One JSON request. The timeout is long: a non-streamed completion sends nothing until it ends, and on a
+    loaded machine llama-server's threads (spinning at each op's barrier) can take minutes for 128 tokens."""
     req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
