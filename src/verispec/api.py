@@ -173,7 +173,7 @@ class LLM:
             msg = (f"verispec: the {self.path_choice.path.name} path is not batch-invariant on this machine "
                    f"({bad} round a row differently by batch size): greedy speculative output equals plain only up "
                    f"to near-ties; invariant=True (--invariant) refuses such a path")
-            log.warning("%s", msg)
+            log.info("%s", msg)
             if self.args.progress:
                 print(msg, file=sys.stderr, flush=True)
 
