@@ -38,7 +38,8 @@ PATHS: dict[str, WeightPath] = {
                             "the GGUF's own Q4 blocks on aten's CPU int4 kernel, bfloat16 activations"),
     "gguf-q8act": WeightPath("gguf-q8act", "float32", "gguf-q8act",
                              "the GGUF's own blocks and head on verispec's CPU kernel, activations rounded to int8 "
-                             "per 32 values as llama.cpp does"),
+                             "per 32 values (llama.cpp's rounding for 32-blocks, finer than its per 256 for "
+                             "K-quants)"),
 }
 DTYPE_PATHS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
