@@ -26,7 +26,7 @@ NODES_PER_WIDTH = 16  # budget nodes per node expanded at each depth
 def frontier_width(budget: int) -> int:
     """Nodes expanded per depth for a tree of `budget` nodes: one per NODES_PER_WIDTH, at least one, at most
     TREE_TOPK. EAGLE-2 expands its top-k at every depth; for the budgets a CPU verifies (4-8 nodes) the shipped
-    EAGLE-3 head's replayed tau was the same with 1, 2 or 4 (benchmarks/tree_acceptance.py: within
+    EAGLE-3 head's replayed tau was the same with 1, 2 or 4 (benchmarks/studies/tree_acceptance.py: within
     0.05 on every workload), while each extra node is one more row through the head at every depth."""
     return max(1, min(TREE_TOPK, budget // NODES_PER_WIDTH))
 

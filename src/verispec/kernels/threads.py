@@ -5,8 +5,8 @@ parallel region. A thread that built the model (and ran the kernel's profile the
 then runs on a worker thread, as in the server: the process then manages more OpenMP threads than it has CPUs, and
 libgomp stops spinning at its barriers and sleeps instead (its "throttled" wait), so every barrier of every layer
 costs a futex wake-up. Measured on 2 cores: a decode step of the default model took 10.2 ms on the server's worker
-thread against 3.5 ms on the thread that built it (`benchmarks/worker_thread.py`). Releasing the building thread's
-pool before handing the engine over brings the worker to the same speed (`LLM` does it once built,
+thread against 3.5 ms on the thread that built it (`benchmarks/studies/worker_thread.py`). Releasing the building
+thread's pool before handing the engine over brings the worker to the same speed (`LLM` does it once built,
 `BackgroundEngine.start()` on the starting thread); the pool is made again if that thread
 ever opens a parallel region again.
 """
