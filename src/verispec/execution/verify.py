@@ -152,14 +152,14 @@ def verify(
     the absolute position (index in prompt + output) of the token logits row 0 predicts.
 
     Greedy compares with the argmax of the raw logits; sampling builds the request's processed distribution
-    (the same `target_probs` plain decoding samples from): a seeded request under the exact rule by the race
+    (the same `target_probs` plain decoding samples from): a seeded request under an exact rule by the race
     (`verify_seeded`), otherwise by `rule` with the request's generator.
     """
     x = torch.tensor(list(draft), dtype=torch.long)  # [g]
     if params.greedy:
         return verify_greedy(x, logits)
     p = target_probs(logits, params.temperature, params.top_k, params.top_p)  # [g + 1, V]
-    if params.seed is not None and rule.rule == "exact":
+    if params.seed is not None and not rule.lossy:  # the threshold rule at 1 is the exact rule
         if position is None:
             raise ValueError("a seeded request's verdict needs the position of the token it samples")
         return verify_seeded(draft, p, params.seed, position)
