@@ -172,4 +172,10 @@ def test_the_engine_is_fed_across_shards_and_a_stopped_run_resumes_to_the_same_d
     assert meta["shards"] == [0, 1, 2, 3, 4] and meta["num_sequences"] == 10
     for i in range(5):
         a, b = load_file(str(tmp_path / "whole" / shard_name(i))), load_file(str(tmp_path / "stopped" / shard_name(i)))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"shard {i}"
+        assert a.keys() == b.keys(), f"shard {i}"
+        for k in a:  # tokens exactly; states to float rounding: this tiny model's fp32 linears are not batch-invariant,
+            # and a resumed run batches its requests differently (shard 0's are not run again)
+            if a[k].is_floating_point():
+                torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4, msg=f"shard {i} {k}")
+            else:
+                assert torch.equal(a[k], b[k]), f"shard {i} {k}"

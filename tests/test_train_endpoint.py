@@ -39,9 +39,9 @@ def same_data(a, b) -> None:
     assert len(sa) == len(sb) == 10
     for x, y in zip(sa, sb):
         assert x.ids.tolist() == y.ids.tolist() and x.prompt_len == y.prompt_len
-        torch.testing.assert_close(x.last_hidden, y.last_hidden, atol=1e-5, rtol=0)
+        torch.testing.assert_close(x.last_hidden, y.last_hidden, atol=1e-4, rtol=1e-4)  # fp32, batched differently
         for k in x.hidden:
-            torch.testing.assert_close(x.hidden[k], y.hidden[k], atol=1e-5, rtol=0)
+            torch.testing.assert_close(x.hidden[k], y.hidden[k], atol=1e-4, rtol=1e-4)
 
 
 def test_endpoint_responses_give_the_local_engines_data(llm, tiny_dir, tmp_path):
