@@ -254,3 +254,20 @@ def assert_drawn_without_replacement(tree, first_row: torch.Tensor | None = None
             assert torch.allclose(tree.probs[c], want / want.sum(), atol=1e-6), (c, j)
     if first_row is not None:
         assert torch.allclose(tree.probs[siblings[-1][0]], first_row, atol=1e-6)
+
+
+def counting_tokenizer(llm) -> list[int]:
+    """Wrap `llm.tokenizer` so every call records its text's length; the list of lengths, growing as it is called."""
+    calls: list[int] = []
+    real = llm.tokenizer
+
+    class Counting:
+        def __call__(self, text, **kw):
+            calls.append(len(text))
+            return real(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    llm.tokenizer = Counting()
+    return calls

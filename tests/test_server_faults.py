@@ -20,7 +20,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.helpers import CTX, hf_greedy, make_app, serving
+from tests.helpers import CTX, counting_tokenizer, hf_greedy, make_app, serving
 from tests.helpers import live as live_app
 from verispec import LLM, SamplingParams
 from verispec.sampling import target_probs
@@ -180,18 +180,7 @@ def test_prompt_longer_than_the_context_could_hold_is_never_tokenised(tiny_dir: 
     llm = app.state.llm
     limit = prompt_byte_limit(llm)
     assert limit >= CTX * 16  # the default tokenizer's longest entry is over 16 bytes
-    calls: list[int] = []
-    real = llm.tokenizer
-
-    class Counting:
-        def __call__(self, text, **kw):
-            calls.append(len(text))
-            return real(text, **kw)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    llm.tokenizer = Counting()
+    calls = counting_tokenizer(llm)
     with TestClient(app) as c:
         assert_error(c.post(C, json={"prompt": "a" * (limit + 1)}), 400, "prompt")
         assert_error(c.post(CHAT, json={"messages": [{"role": "user", "content": "é" * (limit // 2 + 1)}]}), 400,

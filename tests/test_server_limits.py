@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.helpers import CTX, make_app
+from tests.helpers import CTX, counting_tokenizer, make_app
 from tests.helpers import serving as default_serving
 from verispec.server import protocol as P
 
@@ -132,22 +132,6 @@ def test_head_health(client: TestClient) -> None:
 
 
 # ---- long prompts: counted in pieces, refused without tokenising the whole text --------------------------------
-def counting_tokenizer(llm) -> list[int]:
-    calls: list[int] = []
-    real = llm.tokenizer
-
-    class Counting:
-        def __call__(self, text, **kw):
-            calls.append(len(text))
-            return real(text, **kw)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    llm.tokenizer = Counting()
-    return calls
-
-
 def test_long_prompt_is_refused_after_counting_one_piece(tiny_dir: Path, tok) -> None:
     from verispec.server.limits import COUNT_PIECE_CHARS, prompt_byte_limit
 
