@@ -25,10 +25,9 @@ def to_bf16(directory: str | Path) -> int:
 def write_card(directory: str | Path, method: str, *, commands: list[str], data_dir: str | Path, measured: str,
                notes: list[str] = (), made: str | None = None, load: str = "while other jobs ran") -> Path:
     """README.md next to the checkpoint: what it is, the exact commands, the data, training time, measured tau.
-    made: the date and machine (default: today, a 2-core AVX2 CPU); load: what else ran on it meanwhile."""
-    import datetime
-
-    made = made or f"{datetime.date.today().isoformat()}, 2-core AVX2 CPU, no GPU"
+    made: the machine (default: a 2-core AVX2 CPU); load: what else ran on it meanwhile. No date: the commit that
+    ships the drafter dates it, and measurements with dates belong in docs/results."""
+    made = made or "2-core AVX2 CPU, no GPU"
     d = Path(directory)
     log = json.loads((d / "train_log.json").read_text())
     meta = read_meta(data_dir)
