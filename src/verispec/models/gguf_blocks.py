@@ -99,14 +99,15 @@ def tensor_kind(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -
 
 def raw_rows(source: GGUFReader | GGUFIndex | str | os.PathLike, name: str) -> tuple[np.ndarray, str, int]:
     """Tensor `name` of a GGUF file as stored: (uint8 [N, K / block * block bytes] rows of blocks, its GGML type
-    name, K). Only for the formats verispec's kernel runs (KERNEL_FORMATS)."""
+    name, K). Only for the formats verispec's kernel runs (KERNEL_FORMATS). From an index, the bytes are read into
+    memory of their own (no map of the file stays behind once the caller drops them)."""
     if isinstance(source, GGUFReader):
         t = _tensor(source, name)
         kind, shape, data = GGMLQuantizationType(t.tensor_type).name, tuple(int(x) for x in t.shape), t.data
     else:
         index = _index(source)
         e = index.entry(name)
-        kind, shape, data = e.kind, e.shape, index.data(name) if e.kind in KERNEL_FORMATS else None
+        kind, shape, data = e.kind, e.shape, index.read(name) if e.kind in KERNEL_FORMATS else None
     if kind not in KERNEL_FORMATS:
         raise ValueError(f"{name} is {kind}; block formats: {', '.join(KERNEL_FORMATS)}")
     k = shape[0]  # GGUF's ne: innermost (K) first

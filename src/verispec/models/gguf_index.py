@@ -3,8 +3,8 @@
 `gguf.GGUFReader` parses every metadata field on open, the tokenizer's 49k-entry arrays included: about 10 s for
 the default model on a 2-core machine, paid on every load that looks at the file's tensors. The table is all the
 loaders need, so it is parsed once per file (same path, size and modification time) and kept as JSON under the
-verispec cache; tensor bytes are then read through a memory map at their offsets. `GGUFIndex.open` also keeps
-one index per file in the process.
+verispec cache; tensor bytes are then read at their offsets (`data`: a memory map; `read`: into memory of their
+own). `GGUFIndex.open` also keeps one index per file in the process.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ class GGUFIndex:
         """The tensor's bytes as stored: uint8 [nbytes], a read-only memory map."""
         e = self.entry(name)
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=e.offset, shape=(e.nbytes,))
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored, read into memory of their own: uint8 [nbytes] (no map of the file stays
+        behind, so a loader that repacks tensor by tensor holds one tensor's bytes at a time)."""
+        e = self.entry(name)
+        out = np.fromfile(self.path, dtype=np.uint8, count=e.nbytes, offset=e.offset)
+        if out.size != e.nbytes:
+            raise ValueError(f"{self.path}: tensor {name} is cut short ({out.size} of {e.nbytes} bytes)")
+        return out
 
 
 @functools.lru_cache(maxsize=8)

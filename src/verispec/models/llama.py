@@ -194,6 +194,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # a module looking up embedding rows in place of the dense `embed` (models/gguf_embedding.py), or None; with
+        # it, `embed` (and an untied `lm_head`) may be left out and built on first access (`dense_on_demand`)
+        self.embedding: nn.Module | None = None
+        self.dense_on_demand: dict[str, Callable[[], torch.Tensor]] = {}
         # a kernel module computing the logits in place of the dense output weight (models/quantized.py), or None
         self.head_weight: nn.Module | None = None
         # the CPU attention arithmetic in place of torch's batched matmuls (models/quantized.py), or None; likewise
@@ -214,10 +218,10 @@ class LlamaModel(nn.Module):
 
     def set_rope_length(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0 .. n-1, in fp32 on the embedding's device (or meta)."""
-        if self.embed.is_meta:  # shapes only: math on meta tensors would import torch._dynamo (~2 s) for nothing
+        if self.norm.is_meta:  # shapes only: math on meta tensors would import torch._dynamo (~2 s) for nothing
             cos = sin = torch.empty(n, self.cfg.head_dim, device="meta")
         else:
-            cos, sin = rope_tables(self.cfg, n, device=self.embed.device)
+            cos, sin = rope_tables(self.cfg, n, device=self.norm.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [n, head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
         self._rope_cast = None
@@ -229,11 +233,22 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype  # the weights' dtype (the final norm's, present whatever holds the embedding)
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
+
+    def __getattr__(self, name: str):
+        """nn.Module's lookup, plus `embed` / `lm_head` built on first access where the loader left them out
+        (`dense_on_demand`: the gguf-q8act path's light load, models/gguf_direct.py), for the drafters that read
+        the target's tables as tensors; kept as parameters from then on."""
+        if name in ("embed", "lm_head"):
+            build = self.__dict__.get("dense_on_demand", {}).pop(name, None)
+            if build is not None:
+                with torch.inference_mode(False):
+                    self.register_parameter(name, nn.Parameter(build(), requires_grad=False))
+        return super().__getattr__(name)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -260,7 +275,11 @@ class LlamaModel(nn.Module):
                             prefix_caching, self.kv_dtype, self.device)
 
     def output_weight(self) -> torch.Tensor:
-        return self.embed if self.lm_head is None else self.lm_head
+        return self.embed if self.cfg.tie_word_embeddings else self.lm_head
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N] ids -> [N, d] rows of the embedding (its lookup module's where it has one)."""
+        return F.embedding(input_ids, self.embed) if self.embedding is None else self.embedding(input_ids)
 
     # ------------------------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor | Sequence[int], cache: Cache, slot: int,
@@ -303,7 +322,7 @@ class LlamaModel(nn.Module):
         """
         assert sum(s.length for s in segments) == input_ids.shape[0], "segments must cover input_ids exactly"
         self._reserve(segments, cache)
-        x = F.embedding(input_ids, self.embed)  # [N, d]
+        x = self.embed_tokens(input_ids)  # [N, d]
         kernel = self.decoder_kernel
         if kernel is not None and kernel.covers(segments, cache):  # every layer in one kernel call, x in place
             hidden, packed = kernel.run(x, segments, cache, *self.rope_rows(segments), capture_layers)

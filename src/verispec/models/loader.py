@@ -2,7 +2,10 @@
 
 Accepted forms:
   - a known short name (the default model, `smollm2-135m-instruct`): fetched into the cache on first use;
-  - a `.gguf` file: dequantised through transformers' GGUF reader, converted once into a cached HF directory;
+  - a `.gguf` file: converted once into a cached HF directory (config.json, tokenizer, generation config); its
+    dense weights (dequantised through transformers' GGUF reader into model.safetensors there) are written the
+    first time a dense path loads it. The gguf-q8act path never needs them: it builds the decoder from the file's
+    blocks directly (models/gguf_direct.py), holding no dense linear or embedding.
   - a local Hugging Face directory (config.json + *.safetensors; tokenizer files optional);
   - a hub id (org/name): downloaded through huggingface_hub, wherever a hub is reachable.
 """
@@ -53,14 +56,27 @@ def _file_id(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
-    """Dequantise a GGUF file once into an HF directory in the cache; later calls reuse it."""
+WEIGHTS_FILE = "model.safetensors"
+
+
+def convert_gguf(gguf_path: Path, progress: bool = True, weights: bool = True) -> Path:
+    """Convert a GGUF file once into an HF directory in the cache (config.json, tokenizer, generation config);
+    with `weights`, also its dense float32 weights (model.safetensors, dequantised by transformers' GGUF reader),
+    written the first time a caller asks for them. Later calls reuse what is there."""
     out = hub.cache_dir() / "converted" / f"{gguf_path.stem}-{_file_id(gguf_path)}"
     if (out / "complete").exists():
         complete_hf_dir(out)  # a directory converted before it carried every file other tools read
-        return out
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    else:
+        _convert_config(gguf_path, out)
+    if weights and not (out / WEIGHTS_FILE).is_file():
+        _write_weights(gguf_path, out)
+    return out
+
+
+def _convert_config(gguf_path: Path, out: Path) -> None:
+    """config.json (with head_dim and llama3 RoPE scaling recovered, models/gguf_config.py), the tokenizer and the
+    generation config of a GGUF, written to `out` whole or not at all."""
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from verispec.models.gguf_config import complete_config
@@ -69,12 +85,8 @@ def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
     hf_cfg = AutoConfig.for_model(**complete_config(gguf_path, meta["config"]))
     if hf_cfg.model_type not in HF_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: GGUF architecture {hf_cfg.model_type!r} is not a Llama-family decoder")
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_cfg)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     hf_cfg.architectures = [HF_ARCHITECTURES[hf_cfg.model_type]]
     hf_cfg.save_pretrained(tmp)
     try:
@@ -90,7 +102,28 @@ def convert_gguf(gguf_path: Path, progress: bool = True) -> Path:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+
+def _write_weights(gguf_path: Path, out: Path) -> None:
+    """The GGUF's tensors dequantised by transformers' GGUF reader into `out`/model.safetensors (float32, HF names,
+    tagged "pt"), whole or not at all."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out)))
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tmp = out / f"{WEIGHTS_FILE}.tmp{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS_FILE)
+
+
+def with_weights(resolved: ResolvedModel) -> ResolvedModel:
+    """`resolved` with dense weights on disk: a GGUF's converted directory gains its model.safetensors (once)."""
+    if resolved.gguf is None or any(resolved.directory.glob("*.safetensors")):
+        return resolved
+    return ResolvedModel(resolved.name, convert_gguf(resolved.gguf, progress=False), resolved.gguf)
 
 
 def complete_hf_dir(directory: Path) -> None:
@@ -135,12 +168,12 @@ def resolve(model: str | os.PathLike, progress: bool = True) -> ResolvedModel:
     spec = str(model)
     known = hub.resolve_known(spec, progress=progress)
     if known is not None:
-        return ResolvedModel(spec, convert_gguf(known, progress), known)
+        return ResolvedModel(spec, convert_gguf(known, progress, weights=False), known)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return ResolvedModel(spec, convert_gguf(path, progress), path)
+        return ResolvedModel(spec, convert_gguf(path, progress, weights=False), path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory")
@@ -207,16 +240,24 @@ def load_model(
     quantization="gguf" (a .gguf model, CPU, dtype bfloat16): the Q4_0 / Q4_1 linears run on the GGUF's own 4-bit
     blocks through aten's CPU int4 kernel; "gguf-q8act" (a .gguf model, CPU, float32 or bfloat16): the block-format
     linears and the output head run on the GGUF's own blocks through verispec's kernel with int8 activations
-    (models/quantized.py); None: dense weights.
+    (models/quantized.py), loaded straight from the file without a dense copy (models/gguf_direct.py; a file it
+    cannot cover loads densely, then its linears are swapped); None: dense weights.
     """
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
     _check_quantization(quantization, resolved, dtype, device)
     cfg = ModelConfig.from_hf(read_config(resolved.directory))
     rope_len = max(cfg.max_position_embeddings, max_len or 0)
+    if quantization == "gguf-q8act":
+        from verispec.models.gguf_direct import load_q8act_direct
+
+        light = load_q8act_direct(resolved.gguf, cfg, parse_dtype(dtype), rope_len)  # type: ignore[arg-type]
+        if light is not None:
+            log.info("quantization=gguf-q8act: loaded from the GGUF's blocks without a dense copy")
+            return light, resolved
     with torch.device("meta"):
         net = LlamaModel(cfg, rope_len=1)
     net = net.to_empty(device="cpu")
-    load_hf_state_dict(net, load_state_dict(resolved.directory))
+    load_hf_state_dict(net, load_state_dict(with_weights(resolved).directory))
     net.set_rope_length(rope_len)
     net = net.to(device=device, dtype=parse_dtype(dtype))
     # .to(dtype) rounded the RoPE tables to the weights' dtype; they stay float32-typed (with those rounded values)

@@ -1,5 +1,8 @@
-"""GGUF-quantised decoders: the dense decoder loaded first, then its linears replaced by kernel modules built from
-the file's own blocks (no requantisation).
+"""GGUF-quantised decoders: linears replaced by kernel modules built from the file's own blocks (no
+requantisation). "gguf" swaps them into the dense decoder loaded first; "gguf-q8act" installs them straight into
+a decoder built on the meta device (models/gguf_direct.py, through `q8act_weight` and `finish_q8act` here), so no
+dense copy of the model is ever held; `quantize_q8act` swaps them into a dense-loaded model where that light load
+cannot cover the file (and is the reference its tests compare with).
 - `quantization="gguf"` (`quantize_from_gguf`, bf16): every linear whose GGUF tensors are all Q4_0 / Q4_1 becomes
   an `Int4Weight` (kernels/int4.py: aten's CPU int4 kernel, bf16 activations). The head stays dense.
 - `quantization="gguf-q8act"` (`quantize_q8act`, fp32 activations): every linear whose GGUF tensors are in the
@@ -9,8 +12,9 @@ the file's own blocks (no requantisation).
   runs on verispec's fp32 CPU kernel (`Library.attention`).
 Fused weights stack their parts along N as the HF loader does (qkv = q, k, v; gate_up = gate, up). llama.cpp
 stores a "llama" model's q and k rows permuted for its RoPE layout; they are un-permuted here exactly as
-transformers' GGUF loader does, so row i of every weight is the dense model's row i. Norms, biases and the
-embedding stay dense; a linear in any other format (F16, Q2_K, Q3_K, IQ2_*, IQ3_*, ...) stays dense too, and says so on
+transformers' GGUF loader does, so row i of every weight is the dense model's row i. Norms and biases stay dense,
+the embedding too after a dense load (the light load keeps it in the file's format, models/gguf_embedding.py); a
+linear in any other format (F16, Q2_K, Q3_K, IQ2_*, IQ3_*, ...) stays dense too, and says so on
 stderr with its expected cost (`dense_fallbacks`).
 """
 
@@ -152,8 +156,6 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
     place (a CPU model loaded from that file). Returns how many were replaced, the head included. Each part of a
     fused weight keeps its own format (a Q4_K_M's v rows may be Q6_K beside Q4_K q and k rows)."""
-    from verispec.kernels.cpu_kernels import load
-    from verispec.models.decoder_kernel import DecoderKernel
     from verispec.kernels.q8act import Q8ActWeight
 
     reader = GGUFIndex.open(gguf_path)
@@ -161,11 +163,7 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     report_fallbacks(str(gguf_path))
     for i, layer in enumerate(model.layers):  # a fused weight with a part in another format stays dense
         for fused, parts in _fused_tensors(reader, model, i, lambda kinds: kinds <= set(KERNEL_FORMATS)):
-            rows = []
-            for name, h in parts:
-                raw, kind, k = raw_rows(reader, name)
-                rows.append((raw if h is None else raw[unpermute_rows(raw.shape[0], h)], kind))
-            dense, packed = getattr(layer, fused), Q8ActWeight.stacked(rows, k)
+            dense, packed = getattr(layer, fused), q8act_weight(reader, parts)
             if packed.shape != tuple(dense.shape):
                 raise ValueError(f"layer {i} {fused}: GGUF blocks {packed.shape} vs model {tuple(dense.shape)}")
             _swap(layer, fused, packed)
@@ -175,8 +173,29 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
         raw, kind, k = raw_rows(reader, head)
         model.head_weight = Q8ActWeight(raw, kind, raw.shape[0], k)
         replaced += 1
+    finish_q8act(model)
+    return replaced
+
+
+def q8act_weight(reader: GGUFIndex, parts: list[tuple[str, int | None]]) -> nn.Module:
+    """One fused weight's `Q8ActWeight` from its parts (`_fused_tensors`: tensor name, heads to un-permute by),
+    each read from the file into memory of its own, re-ordered where permuted, repacked, and dropped."""
+    from verispec.kernels.q8act import Q8ActWeight
+
+    rows = []
+    for name, h in parts:
+        raw, kind, k = raw_rows(reader, name)
+        rows.append((raw if h is None else raw[unpermute_rows(raw.shape[0], h)], kind))
+    return Q8ActWeight.stacked(rows, k)
+
+
+def finish_q8act(model: LlamaModel) -> None:
+    """The gguf-q8act path's runtime settings once its weights are in: verispec's fp32 attention and RoPE kernels,
+    batch invariance, and the one-call decoder where every layer is covered."""
+    from verispec.kernels.cpu_kernels import load
+    from verispec.models.decoder_kernel import DecoderKernel
+
     model.attention_kernel = load().attention  # the path's attention and RoPE: verispec's fp32 kernels
     model.rope_kernel = load().rope
     model.batch_invariant = True  # every row computes alone in this kernel; attention follows suit
     model.decoder_kernel = DecoderKernel.build(model)  # all layers in one call where they are all covered
-    return replaced
