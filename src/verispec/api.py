@@ -131,6 +131,9 @@ class LLM:
         self.eos_ids = frozenset(eos)
         self._costs: StepCosts | None = None
         self.check_state = args.check_state
+        # verispec's kernel splits a forward by output rows and heads: its tokens do not depend on the thread count
+        q8act = torch.device(self.device).type == "cpu" and self.quantization == "gguf-q8act"
+        self.adaptive_threads = torch.get_num_threads() if args.adaptive_threads and q8act else 0
         self._engine: Engine | None = None
         self._set_speculation(spec)
         # building ran kernels on this thread (the path's profile); give its OpenMP threads back so that a worker
@@ -314,7 +317,7 @@ class LLM:
             batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self._max_step_tokens())
             config = EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                   num_speculative_tokens=self.spec.num_speculative_tokens,
-                                  draft_tree=self.spec.draft_tree)
+                                  draft_tree=self.spec.draft_tree, adaptive_threads=self.adaptive_threads)
             check = self._state_check if self.check_state else None
             self._engine = Engine(self.model, self.cache, self.drafters, policy, self.eos_ids, config, self.rule,
                                   check, detokenize=self.decode if self.tokenizer is not None else None,

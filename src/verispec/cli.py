@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from verispec.config import (BENCH_METHODS, DEFAULT_DRAFT_QUANTIZATION, DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES,
+from verispec.config import (BENCH_METHODS, THREAD_PROBE_EVERY, DEFAULT_DRAFT_QUANTIZATION, DRAFT_QUANTIZATIONS, KV_CACHE_DTYPES,
                              MODEL_FREE_METHODS, QUANTIZATIONS, SPEC_METHODS)
 from verispec.engine.args import SERVE_DEFAULTS, EngineArgs
 from verispec.models import hub
@@ -30,6 +30,12 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
                    help="batch invariance (a token's logits the same alone, in a verify block or beside other "
                         "requests: greedy speculative output == plain bitwise). Default: on where the path's "
                         "linears measure row-invariant; --invariant requires it, --no-invariant turns it off")
+    p.add_argument("--adaptive-threads", default=None, action=argparse.BooleanOptionalAction,
+                   help="on the gguf-q8act path (CPU), run each forward on the thread count measured fastest now, "
+                        "probing a neighbouring count every %d steps, so that another process on the machine "
+                        "cannot stall decoding at the threads' barriers (outputs do not depend on the count): about x2 "
+                        "beside a busy process, a few percent slower alone (docs/results/threads.md). Default: off"
+                        % THREAD_PROBE_EVERY)
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                    help="gguf: a .gguf model's own Q4_0 / Q4_1 weights on aten's CPU int4 kernel (bf16 activations); "
                         "gguf-q8act: its own blocks and head on verispec's CPU kernel, activations rounded to int8 "

@@ -177,6 +177,10 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # K, the most draft tokens per request and s
 DEFAULT_MAX_NUM_SEQS = 4  # requests decoding at once in one LLM (the server's own default: engine/args.py)
 DEFAULT_BLOCK_SIZE = 16  # positions per paged-KV block
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens in one forward, at least (the engine raises it to a full decode step)
+# CPU threads chosen per step by measurement (execution/thread_governor.py): at least this many steps of one size
+# between two probes of a neighbouring thread count, and the probes' measured time at most this share of the time
+THREAD_PROBE_EVERY = 64
+THREAD_PROBE_SHARE = 0.05
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ class EngineArgs:
     max_model_len: int | None = None  # None: the model's own, capped at 4096 (api.py's DEFAULT_CONTEXT_CAP)
     quantization: str | None = None  # gguf | gguf-q8act; None: as dtype auto chooses
     invariant: bool | None = None  # batch invariance: None = where the linears measure row-invariant
+    adaptive_threads: bool = False  # kernel threads per step chosen by measurement (gguf-q8act; thread_governor.py)
     # vLLM's speculative_config (a dict, parsed once by LLM after the shipped drafter is filled in) or a parsed one
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
     check_state: bool = False  # the state oracle after every step (slow; for debugging)

@@ -38,6 +38,7 @@ from verispec.sampling.logprobs import record_logprobs
 from verispec.sampling.processor import ProcessorFactory, needs_processor
 from verispec.execution.runner import BatchOutput, Block, ModelRunner
 from verispec.execution.tree_verify import verify_tree
+from verispec.execution.thread_governor import ThreadGovernor
 from verispec.execution.verify import EXACT, AcceptanceConfig, Verdict, verify
 from verispec.models.llama import LlamaModel
 from verispec.models.tree import TreeDraft
@@ -58,6 +59,7 @@ class EngineConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # K, the most draft tokens per request and step
     draft_tree: bool | str = False  # drafters that can propose trees of K nodes (depth <= K) do; "auto": per step
     probe_share: float = PROBE_SHARE  # a dear drafter's probes: at most this share of the plain steps' time
+    adaptive_threads: int = 0  # > 0: up to this many CPU threads, the count per step measured (thread_governor.py)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
@@ -83,7 +85,8 @@ class Engine:
         self.detokenize = detokenize
         self.model, self.cache, self.drafters, self.policy = model, cache, drafters, policy
         self.eos_ids, self.config, self.rule, self.check_state = eos_ids, config, rule, check_state
-        self.runner = ModelRunner(model, cache, drafters.feature_layers)
+        governor = ThreadGovernor(config.adaptive_threads) if config.adaptive_threads > 0 else None
+        self.runner = ModelRunner(model, cache, drafters.feature_layers, governor)
         self.waiting: deque[tuple[Request, TokenCallback | None]] = deque()
         self.running: list[LiveRequest] = []
         self.counters = SpecCounters()

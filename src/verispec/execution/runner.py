@@ -7,12 +7,15 @@ chunks (no logits). The forward reserves every block in the KV cache; the engine
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from verispec.execution.features import take
+from verispec.execution.thread_governor import ThreadGovernor
+from verispec.kernels.threads import kernel_thread_count
 from verispec.models.llama import ForwardOutput, LlamaModel, Segment
 from verispec.state.kv_cache import KVCache
 
@@ -57,10 +60,18 @@ class BatchOutput:
 
 
 class ModelRunner:
-    """Runs the target over the blocks of one step; capturing `feature_layers` for learned drafters."""
+    """Runs the target over the blocks of one step; capturing `feature_layers` for learned drafters.
 
-    def __init__(self, model: LlamaModel, cache: KVCache, feature_layers: Sequence[int] = ()) -> None:
+    threads: where given, the thread count of verispec's CPU kernel calls in each forward is the governor's choice
+    (execution/thread_governor.py), timed and reported back. Only for the gguf-q8act path, whose forward is that
+    kernel's calls and whose arithmetic does not depend on the thread count (it splits by output rows and heads,
+    never along a sum; tests/test_thread_governor.py checks it), so that a step's tokens are the same whichever
+    count ran it."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, feature_layers: Sequence[int] = (),
+                 threads: ThreadGovernor | None = None) -> None:
         self.model, self.cache, self.feature_layers = model, cache, tuple(feature_layers)
+        self.threads = threads
 
     def run(self, blocks: Sequence[Block], record_layers: Sequence[int] = ()) -> BatchOutput:
         """record_layers: layers captured as well this step (requests that asked for their hidden states)."""
@@ -78,6 +89,13 @@ class ModelRunner:
             segments.append(Segment(b.slot, b.start, n, tree=b.tree))
             ids.extend(b.tokens)
         capture = tuple(sorted({*self.feature_layers, *record_layers})) if record_layers else self.feature_layers
-        out = self.model(torch.tensor(ids, device=self.model.device), segments, self.cache,
-                         logits_indices=logits_rows, capture_layers=capture)
+        x = torch.tensor(ids, device=self.model.device)
+        if self.threads is None:
+            out = self.model(x, segments, self.cache, logits_indices=logits_rows, capture_layers=capture)
+        else:
+            n = self.threads.choose(len(ids))
+            t0 = time.perf_counter()
+            with kernel_thread_count(n):
+                out = self.model(x, segments, self.cache, logits_indices=logits_rows, capture_layers=capture)
+            self.threads.observe(len(ids), n, time.perf_counter() - t0)
         return BatchOutput(out, rows, logit_rows, self.feature_layers)

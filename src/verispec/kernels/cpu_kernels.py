@@ -25,6 +25,7 @@ import torch
 
 from verispec.kernels.cpu_build import (AVX2_FLAGS, BODIES, KINDS, KernelUnavailable, build_flags, cached_build,
                                           compiler)
+from verispec.kernels.threads import kernel_threads
 from verispec.kernels.kernel_choice import (PREFETCH_CODES, ROW_PREFETCH_CODES, choose_body, choose_prefetch,
                                               choose_row_prefetch, forward_weights)
 
@@ -80,7 +81,7 @@ class Library:
         layout = torch.tensor([KINDS[kind], n, 0], dtype=torch.int64) if isinstance(kind, str) else kind
         rc = self.lib.vs_linear(packed.data_ptr(), layout.data_ptr(), layout.numel() // 3, n, k, x.data_ptr(),
                                 x.dtype == torch.bfloat16,
-                                x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, torch.get_num_threads(),
+                                x.shape[0], out.data_ptr(), out.dtype == torch.bfloat16, kernel_threads(),
                                 code, None if norm is None else norm.data_ptr(), eps,
                                 None if residual is None else residual.data_ptr(), swiglu)
         if rc:
@@ -145,7 +146,7 @@ class Library:
         out = torch.empty(B, M, hd, dtype=torch.float32)
         rc = self.lib.vs_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
                                    v.data_ptr(), v.stride(0), v.stride(1), None if bias is None else bias.data_ptr(),
-                                   bb, bm, B, M, L, hd, hd**-0.5, out.data_ptr(), torch.get_num_threads(),
+                                   bb, bm, B, M, L, hd, hd**-0.5, out.data_ptr(), kernel_threads(),
                                    int(reference))
         if rc:
             raise MemoryError("vs_attention: out of memory")

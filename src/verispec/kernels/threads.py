@@ -13,9 +13,12 @@ ever opens a parallel region again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import threading
+from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +57,30 @@ def release_openmp_threads() -> int:
             released += 1
     log.debug("released this thread's OpenMP threads in %d runtime(s)", released)
     return released
+
+
+_LOCAL = threading.local()  # this thread's kernel thread count, while a governor sets one
+
+
+def kernel_threads() -> int:
+    """The thread count verispec's CPU kernel runs its next call on: the calling thread's `kernel_thread_count`
+    while one is set, else torch's. The kernel takes the count per call (OpenMP's num_threads clause), so changing
+    it costs nothing, where torch.set_num_threads costs about a millisecond each time (it resizes the pool)."""
+    n = getattr(_LOCAL, "threads", None)
+    if n is not None:
+        return n
+    import torch
+
+    return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def kernel_thread_count(n: int) -> Iterator[None]:
+    """Run verispec's kernel calls made on this thread inside the block on `n` threads (torch's own ops are not
+    affected)."""
+    before = getattr(_LOCAL, "threads", None)
+    _LOCAL.threads = n
+    try:
+        yield
+    finally:
+        _LOCAL.threads = before

@@ -22,6 +22,7 @@ import torch
 from verispec.config import ModelConfig
 from verispec.kernels.cpu_kernels import Library, load
 from verispec.kernels.q8act import Q8ActWeight
+from verispec.kernels.threads import kernel_threads
 from verispec.models.tree import ancestor_mask, depths
 
 _p, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
@@ -113,7 +114,7 @@ class DecoderKernel:
             _array(_p, [t.data_ptr() for t in cache.v]), c.hidden_size, c.num_heads,  # type: ignore[attr-defined]
             c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5, x.data_ptr(), n,
             cos.data_ptr(), sin.data_ptr(), pos, rpos, hi, anc, base, tables, toff, bs, hstride, caps,
-            len(layers) * d, half, torch.get_num_threads())
+            len(layers) * d, half, kernel_threads())
         if rc:
             raise RuntimeError(f"vs_decoder failed ({'bad shapes' if rc == -1 else 'out of memory'})")
         return hidden, packed
