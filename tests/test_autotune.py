@@ -108,6 +108,15 @@ def test_a_busy_machine_measures_but_does_not_cache(tmp_path, monkeypatch):
     assert choice.path.name in ("fp32", "bf16") and set(choice.expected) == {"fp32", "bf16"}
 
 
+def test_a_busy_machine_reads_the_profile_a_quiet_one_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "machine_busy", lambda: False)
+    quiet = resolve_path("auto", None, "cpu", TINY, False, cache=tmp_path)
+    monkeypatch.setattr(autotune, "machine_busy", lambda: True)
+    monkeypatch.setattr(autotune, "measure_paths", lambda *a: pytest.fail("a cached profile must not be re-measured"))
+    busy = resolve_path("auto", None, "cpu", TINY, False, cache=tmp_path)
+    assert busy.cached and busy.path == quiet.path and busy.expected == quiet.expected
+
+
 def test_outputs_and_metrics_say_which_path_ran_and_on_which_cpu(tiny_dir):
     from fastapi.testclient import TestClient
 

@@ -358,3 +358,17 @@ def test_candidacy_follows_the_files_formats_and_a_missing_compiler(tmp_path, mo
         cpu_kernels.load.__wrapped__(cache=tmp_path)
     monkeypatch.setattr(cpu_kernels, "fast_kernel_available", lambda: (False, "no compiler"))
     assert "gguf-q8act" not in [p.name for p in candidates("cpu", False, gguf_blocks=True)]
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_packing_in_pieces_equals_packing_whole(kind: str, monkeypatch) -> None:
+    """A head of ~150k rows is repacked PACK_ROWS rows at a time (its intermediates would otherwise be several
+    times its size): the pieces, including a short last one, make exactly the whole's tiles."""
+    from verispec.kernels import q8act
+
+    elems = 256 if kind in kquant.FILE_BLOCKS and kquant.FILE_BLOCKS[kind][0] == 256 else 32
+    raw = (random_blocks(kind, 203, 2 * elems, seed=3) if kind not in q8act.BLOCK_BYTES else
+           np.random.default_rng(3).integers(0, 256, (203, 2 * q8act.BLOCK_BYTES[kind]), dtype=np.uint8))
+    whole = q8act.tile_rows(raw, kind) if kind in q8act.BLOCK_BYTES else kquant.pack(raw, kind)
+    monkeypatch.setattr(q8act, "PACK_ROWS", 64)
+    assert np.array_equal(q8act.pack_rows(raw, kind), whole)

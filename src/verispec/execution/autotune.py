@@ -227,9 +227,10 @@ def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath],
 
 
 def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], cache: Path | None,
-                  refresh: bool = False, kinds: Mapping[str, str] | None = None
+                  refresh: bool = False, kinds: Mapping[str, str] | None = None, write: bool = True
                   ) -> tuple[dict[str, dict[int, float]], bool]:
-    """(path name -> M -> ms, whether it came from the cache). A single candidate is not measured."""
+    """(path name -> M -> ms, whether it came from the cache). A single candidate is not measured. `write`: keep
+    a new measurement in the cache (not one taken on a busy machine; a cached one is read either way)."""
     if len(paths) == 1:
         return {paths[0].name: {m: float(m) for m in PROFILE_M}}, False
     file = None if cache is None else cache / "kernels" / f"{profile_key(cfg, device, paths, kinds)}.json"
@@ -237,7 +238,7 @@ def profile_paths(cfg: ModelConfig, device: str, paths: Sequence[WeightPath], ca
         raw = json.loads(file.read_text())
         return {p: {int(m): ms for m, ms in t.items()} for p, t in raw["table"].items()}, True
     table = measure_paths(paths, cfg, kinds)
-    if file is not None:
+    if file is not None and write:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"cpu": cpu_info().as_dict(), "torch": torch.__version__,
@@ -264,5 +265,6 @@ def resolve_path(dtype: str, quantization: str | None, device: str, cfg: ModelCo
         return PathChoice(explicit, (), {}, cpu, cached=False, explicit=True)
     paths = [p for p in candidates(device, gguf_int4, gguf_blocks) if not (invariant_only and p.name == "fp32")]
     kinds = gguf_blocks if isinstance(gguf_blocks, Mapping) else None
-    table, cached = profile_paths(cfg, device, paths, None if machine_busy() else cache, refresh, kinds)
+    # a busy machine reads a profile measured quietly before, and measures (uncached) only where there is none
+    table, cached = profile_paths(cfg, device, paths, cache, refresh, kinds, write=not machine_busy())
     return choose(paths, table, typical_blocks(num_speculative_tokens), cpu, cached)

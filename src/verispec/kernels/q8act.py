@@ -51,6 +51,26 @@ def tile_rows(raw: np.ndarray, kind: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([*lead, quants], -1))
 
 
+PACK_ROWS = 8192  # rows repacked at a time: a 150k-row head's intermediates stay tens of MB, not its whole size
+
+
+def pack_rows(raw: np.ndarray, kind: str) -> np.ndarray:
+    """`tile_rows` (Q4_0, Q4_1, Q8_0) or `kquant.pack` (the others) of raw [N, row bytes], PACK_ROWS rows at a
+    time into one array: each group of 8 rows packs alone, so the pieces are the whole's slices, and the decoding's
+    intermediates are a piece's size, not the weight's."""
+    one = tile_rows if kind in BLOCK_BYTES else kquant.pack
+    n = raw.shape[0]
+    if n <= PACK_ROWS:
+        return one(raw, kind)
+    first = one(raw[:PACK_ROWS], kind)
+    out = np.empty((-(-n // ROWS), *first.shape[1:]), np.uint8)
+    out[: PACK_ROWS // ROWS] = first
+    for lo in range(PACK_ROWS, n, PACK_ROWS):
+        piece = one(raw[lo : lo + PACK_ROWS], kind)
+        out[lo // ROWS : lo // ROWS + piece.shape[0]] = piece
+    return out
+
+
 class Q8ActWeight(nn.Module):
     """An [N, K] weight in GGUF blocks, multiplied with int8-quantised activations: `matmul(x [M, K]) -> [M, N]`
     in x's dtype (float32 or bfloat16). An `nn.Module` with one uint8 buffer, so it stands where a layer had a
@@ -76,7 +96,7 @@ class Q8ActWeight(nn.Module):
         for r, f in parts:
             merged[-1:] = [(np.concatenate([merged[-1][0], r]), f)] if merged and merged[-1][1] == f else [
                 *merged[-1:], (r, f)]
-        tiles = [tile_rows(r, f) if f in BLOCK_BYTES else kquant.pack(r, f) for r, f in merged]
+        tiles = [pack_rows(r, f) for r, f in merged]
         offsets = np.cumsum([0] + [t.nbytes for t in tiles])
         self.kind = "+".join(f for _, f in merged)
         self.n, self.k = sum(r.shape[0] for r, _ in merged), k
