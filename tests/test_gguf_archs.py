@@ -33,6 +33,9 @@ def _configs():
         # GQA 8:1, per-head q/k norms, heads wider than hidden / heads, tied head
         "qwen3-gqa8": Qwen3Config(**BASE, num_attention_heads=8, num_key_value_heads=1, head_dim=16,
                                   tie_word_embeddings=True),
+        # head_dim = hidden / heads, as in Qwen3-0.6B's shapes: the converted config must still name it (Qwen3's
+        # config class defaults to 128)
+        "qwen3-plain": Qwen3Config(**BASE, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
         # llama3 RoPE scaling (three blended frequencies at head_dim 32, theta 1e4), GQA 4:1, untied head
         "llama3-gqa4-untied": LlamaConfig(**{**BASE, "hidden_size": 128}, num_attention_heads=4,
                                           num_key_value_heads=1, rope_theta=10000.0, rope_scaling=dict(LLAMA3),

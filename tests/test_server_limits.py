@@ -274,6 +274,25 @@ def test_headers_that_do_not_arrive_in_time_get_a_408_and_closed(tiny_dir: Path)
     assert make_server(app, connections=limits).config.timeout_keep_alive == limits.keep_alive
 
 
+def test_deadlines_spread_so_that_connections_opened_together_do_not_expire_together() -> None:
+    """2,000 connections opened in one burst must not all get their 408 and close in one turn of the event loop
+    (it held /health for 0.38 s once): each deadline waits its promised time plus up to DEADLINE_SPREAD more."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from verispec.server.connections import DEADLINE_SPREAD, GuardedH11
+
+    delays: list[float] = []
+    proto = GuardedH11.__new__(GuardedH11)
+    proto.loop = SimpleNamespace(call_later=lambda s, *a: delays.append(s) or SimpleNamespace(cancel=lambda: None))
+    proto._deadline = proto._waiting_for = None
+    for _ in range(2000):
+        proto._arm("head", 10.0)
+    assert min(delays) >= 10.0 and max(delays) <= 10.0 * (1 + DEADLINE_SPREAD)
+    per_tenth = Counter(int((d - 10.0) * 10) for d in delays)  # expiries per 0.1 s
+    assert max(per_tenth.values()) <= 1.5 * 2000 / (10.0 * DEADLINE_SPREAD * 10)
+
+
 def test_connections_over_the_cap_get_a_503_and_are_closed(tiny_dir: Path) -> None:
     from verispec.server.connections import ConnectionLimits
 

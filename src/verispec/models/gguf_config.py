@@ -30,8 +30,7 @@ def complete_config(gguf_path: str | Path, cfg: dict[str, Any]) -> dict[str, Any
     dim = cfg["hidden_size"] // heads if heads else None
     if q is not None and heads:
         dim = int(q.shape[1]) // heads  # GGUF shapes list the input dimension first
-        if dim * heads != cfg["hidden_size"]:
-            out["head_dim"] = dim
+        out["head_dim"] = dim  # always: Qwen3's config class defaults to 128 where it is not given
     freqs = index.tensors.get("rope_freqs.weight")
     if freqs is not None and not cfg.get("rope_scaling") and dim:
         if freqs.kind != "F32":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import resource
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +25,7 @@ log = logging.getLogger("verispec.server")
 
 DEFAULT_KEEP_ALIVE = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds from a connection (or the end of its last response) to a whole request head
+DEADLINE_SPREAD = 0.2  # a deadline waits up to this share longer, at random (GuardedH11._arm)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds from the head to the end of the body; the app answers 408 first (limits.py)
 BODY_GRACE = 2.0  # the connection is closed this long after the app's own body deadline, if it still is open
 FD_RESERVE = 256  # descriptors kept for the model files, threads' pipes and logs: connections get the rest
@@ -135,8 +137,12 @@ class GuardedH11(H11Protocol):
             self._disarm()
 
     def _arm(self, what: str, seconds: float) -> None:
+        """Wait `seconds` plus up to DEADLINE_SPREAD of them more (never less than promised), so that thousands of
+        connections opened at once do not all expire in one turn of the event loop: their 408s and closes then
+        spread over a second or two instead of holding every other request for a few hundred milliseconds."""
         self._disarm()
         self._waiting_for = what
+        seconds *= 1 + DEADLINE_SPREAD * random.random()
         self._deadline = self.loop.call_later(seconds, self._expired, what)
 
     def _disarm(self) -> None:
