@@ -168,3 +168,18 @@ def test_gguf_q8act_is_timed_in_the_files_formats(monkeypatch):
     assert autotune.profile_key(cfg, "cpu", [PATHS["gguf-q8act"]], kinds) != autotune.profile_key(
         cfg, "cpu", [PATHS["gguf-q8act"]])
     assert PATHS["gguf-q8act"] in candidates("cpu", False, kinds)
+
+
+def test_the_profile_times_part_of_a_large_head_and_scales_it():
+    """The profile must not hold a dense [150k, 1536] fp32 head (0.9 GB: more than a 1.5B Q4_K_M model itself):
+    it times as many rows as stream STREAM_BYTES and scales the time by vocab / rows."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(vocab_size=151936, hidden_size=1536)
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        fn, rows = autotune._head_fn(path_for(dtype, None), cfg)  # type: ignore[arg-type]
+        assert rows < cfg.vocab_size and rows * cfg.hidden_size * size <= autotune.STREAM_BYTES + cfg.hidden_size * size
+        assert rows * cfg.hidden_size * size >= autotune.STREAM_BYTES  # still more than a cache holds
+        assert fn(torch.randn(1, cfg.hidden_size).to(getattr(torch, dtype))).shape == (1, rows)
+    small = SimpleNamespace(vocab_size=2048, hidden_size=64)
+    assert autotune._head_fn(path_for("float32", None), small)[1] == 2048  # a small head is timed whole

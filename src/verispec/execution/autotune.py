@@ -153,12 +153,27 @@ def _linear_fn(path: WeightPath, n: int, k: int, seed: int, kind: str = "Q4_1"
     return (lambda x: torch.nn.functional.linear(x, dense)), dense.numel() * dense.element_size()
 
 
-def _head_fn(path: WeightPath, cfg: ModelConfig, kind: str = "Q8_0") -> Callable[[torch.Tensor], torch.Tensor]:
-    """The output head as the path runs it: GGUF blocks of `kind` on verispec's kernel (gguf-q8act), else dense."""
+def head_rows(cfg: ModelConfig, bytes_per_weight: float) -> int:
+    """Rows of the timed head: as many as stream STREAM_BYTES (more than a last-level cache holds, as the whole
+    head does), at most the vocabulary. Its time is scaled to the vocabulary: a dense [150k, d] fp32 head is most
+    of a gigabyte, which the profile must not add to a quantised model's memory."""
+    return min(cfg.vocab_size, max(1024, int(STREAM_BYTES / (cfg.hidden_size * bytes_per_weight)) + 1))
+
+
+def _head_fn(path: WeightPath, cfg: ModelConfig, kind: str = "Q8_0"
+             ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """The output head as the path runs it (GGUF blocks of `kind` on verispec's kernel for gguf-q8act, else dense),
+    `head_rows` of its rows: (x -> logits of those rows, how many rows)."""
     if path.quantization == "gguf-q8act":
-        return _random_blocks(kind, cfg.vocab_size, cfg.hidden_size, 7).matmul
-    head = (torch.randn(cfg.vocab_size, cfg.hidden_size) / cfg.hidden_size**0.5).to(parse_dtype(path.dtype))
-    return lambda x: torch.nn.functional.linear(x, head)
+        from verispec.kernels.q8act import FILE_BLOCKS
+
+        elems, size = FILE_BLOCKS[kind]
+        rows = head_rows(cfg, size / elems)
+        return _random_blocks(kind, rows, cfg.hidden_size, 7).matmul, rows
+    dtype = parse_dtype(path.dtype)
+    rows = head_rows(cfg, torch.empty(0, dtype=dtype).element_size())
+    head = (torch.randn(rows, cfg.hidden_size) / cfg.hidden_size**0.5).to(dtype)
+    return (lambda x: torch.nn.functional.linear(x, head)), rows
 
 
 class _PathBench:
@@ -175,7 +190,7 @@ class _PathBench:
         self.layers = [[f for f, _ in first]] + [
             [_linear_fn(path, n, k, 97 * c + i, fmt[i])[0] for i, (n, k) in enumerate(self.shapes)]
             for c in range(1, self.copies)]
-        self.head = _head_fn(path, cfg, (kinds or {}).get("head", "Q8_0"))
+        self.head, self.head_rows = _head_fn(path, cfg, (kinds or {}).get("head", "Q8_0"))
 
     def forward_ms(self, m: int) -> float:
         """ms of one forward's linears at M = m: the layer copies' time / copies x num_layers, plus the head."""
@@ -188,7 +203,8 @@ class _PathBench:
         t1 = time.perf_counter()
         self.head(h)
         t2 = time.perf_counter()
-        return ((t1 - t0) / self.copies * self.cfg.num_layers + (t2 - t1)) * 1e3
+        head = (t2 - t1) * self.cfg.vocab_size / self.head_rows
+        return ((t1 - t0) / self.copies * self.cfg.num_layers + head) * 1e3
 
 
 def measure_paths(paths: Sequence[WeightPath], cfg: ModelConfig,
@@ -216,7 +232,7 @@ def profile_key(cfg: ModelConfig, device: str, paths: Sequence[WeightPath],
     cpu = cpu_info()
     parts = [cpu.model, " ".join(cpu.flags), cpu.capability, torch.__version__, str(torch.get_num_threads()),
              device, str(linear_shapes(cfg)), str((cfg.num_layers, cfg.vocab_size, cfg.hidden_size)),
-             ",".join(p.name for p in paths), str(PROFILE_M)]
+             ",".join(p.name for p in paths), str(PROFILE_M), "head streamed in part"]
     if any(p.quantization == "gguf-q8act" for p in paths):
         from verispec.kernels.cpu_build import source_digest
 
