@@ -8,8 +8,9 @@ draft tokens / verification steps that checked a draft (verispec: the engine's c
 output tok/s (output tokens / the request's wall time seen by the client, prefill included; a speed of that engine
 on this machine, not a ratio between engines); baseline = verispec's tau with the same drafter weights (the
 checkpoint without its draft vocabulary, which no export carries) on the same prompt token ids, greedy, a fixed K
-(static scheduler, chains). The target is the same GGUF: llama-server runs its Q4_1 blocks, verispec its float32
-dequantisation, so the greedy texts may part where two tokens nearly tie (the `same text` column).
+(static scheduler, chains). The target is the same GGUF: llama-server runs its Q4_1 blocks, verispec (--dtype auto)
+the same blocks with llama.cpp's activation rounding (the gguf-q8act path; --dtype float32: their dequantisation), so
+the greedy texts may still part where two tokens nearly tie (the `same text` column).
 
 DFlash and DSpark: llama-server runs a block of K + 1 rows, verispec always its trained block (8 rows on the shipped
 drafters): K = block_size - 1 = 7 (the default) is the K at which both run the same block.
@@ -99,7 +100,9 @@ class LlamaServer:
         self.cmd = [binary, "-m", str(target), "-md", str(draft), "--spec-type", spec_type,
                     "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
                     "-c", "4096", "-np", "1", "-t", str(threads), "--metrics", "--host", "127.0.0.1",
-                    "--port", str(self.port)]
+                    # verispec's KV cache is float32 on CPU; llama-server's default f16 rounds K and V, which moves
+                    # near-tied greedy tokens and so the texts whose acceptance is compared
+                    "-ctk", "f32", "-ctv", "f32", "--port", str(self.port)]
         self.log = log
         self.proc: subprocess.Popen | None = None
 
@@ -222,6 +225,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="the llama-server binary")
     ap.add_argument("--converter-python", default=sys.executable, help="Python that runs llama.cpp's converter")
     ap.add_argument("--k", type=int, default=7, help="draft tokens per step, every engine")
+    ap.add_argument("--dtype", default="auto", help="verispec's target path: auto (on a GGUF, its own blocks with "
+                    "llama.cpp's activation rounding: the arithmetic llama-server runs) or float32 (dequantised)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--limit", type=int, default=2, help="prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -232,7 +237,8 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="verispec-interop-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    base = LLM(args.model, dtype="float32", device="cpu", max_model_len=4096, max_num_seqs=1, progress=False)
+    base = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=4096, max_num_seqs=1, progress=False)
+    print(f"verispec's target path: {base.path_choice.path.name}", flush=True)
     target_dir, target_gguf = base.resolved.directory, base.resolved.gguf
     prompts = [base.tokenizer(base.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
                for wl in args.workloads.split(",") for wp in load_workload(wl, limit=args.limit)]
@@ -304,7 +310,7 @@ def cell(r: dict | None, key: str, fmt: str) -> str:
 
 def print_table(rows: list[dict], args, has_vllm: bool) -> None:
     print("\n| drafter | K | tau verispec | tau llama-server | llama/verispec | tau vLLM | same text (llama) "
-          "| converts | tok/s verispec (fp32 torch) | tok/s llama-server (Q4_1) |")
+          "| converts | tok/s verispec (its path) | tok/s llama-server (Q4_1) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         v, lc, vl = r["verispec"], r.get("llama.cpp"), r.get("vllm")
