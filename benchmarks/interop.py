@@ -147,17 +147,19 @@ class LlamaServer:
 
 def run_llama(server: LlamaServer, prompts: list[list[int]], max_tokens: int) -> dict:
     server.complete(prompts[0], 8)  # warm-up, outside the counts and the clock
-    before = server.metrics()
-    outs, secs = [], 0.0
+    before = first = server.metrics()
+    outs, secs, per = [], 0.0, []
     for ids in prompts:
         toks, s = server.complete(ids, max_tokens)
         outs.append(toks)
         secs += s
-    after = server.metrics()
-    drafts, accepted = after.drafts - before.drafts, after.accepted - before.accepted
+        after = server.metrics()
+        per.append((after.drafts - before.drafts, after.accepted - before.accepted))
+        before = after
+    drafts, accepted = after.drafts - first.drafts, after.accepted - first.accepted
     n = sum(len(o) for o in outs)
     return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
-            "tok_s": n / secs if secs else float("nan"), "outputs": outs}
+            "tok_s": n / secs if secs else float("nan"), "outputs": outs, "per_prompt": per}
 
 
 def verispec_checkpoint(name: str, work: Path) -> Path:
@@ -177,16 +179,32 @@ def run_verispec(base: LLM, method: str, ckpt: Path, k: int, prompts: list[list[
     e.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
     c = e.engine.counters
     d0, a0 = c.num_drafts, c.num_accepted_tokens
-    outs, secs = [], 0.0
+    outs, secs, per = [], 0.0, []
     for ids in prompts:
         t0 = time.perf_counter()
+        d1, a1 = c.num_drafts, c.num_accepted_tokens
         out = e.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
         secs += time.perf_counter() - t0
         outs.append(list(out.token_ids))
+        per.append((c.num_drafts - d1, c.num_accepted_tokens - a1))
     drafts, accepted = c.num_drafts - d0, c.num_accepted_tokens - a0
     n = sum(len(o) for o in outs)
     return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
-            "tok_s": n / secs, "outputs": outs}
+            "tok_s": n / secs, "outputs": outs, "per_prompt": per}
+
+
+def tau_on_same_texts(ours: dict, theirs: dict) -> str:
+    """tau of each engine over the prompts whose greedy texts are identical: the drafter scored on the same text,
+    so a gap here is the engines' drafting, not where their targets' arithmetic parted."""
+    same = [i for i, (a, b) in enumerate(zip(ours["outputs"], theirs["outputs"])) if a == b]
+    if not same:
+        return "-"
+
+    def tau(r: dict) -> float:
+        d = sum(r["per_prompt"][i][0] for i in same)
+        return 1 + sum(r["per_prompt"][i][1] for i in same) / d if d else float("nan")
+
+    return f"{tau(ours):.3f} / {tau(theirs):.3f} ({len(same)} prompts)"
 
 
 def run_vllm(target_dir: Path, export_dir: Path, method: str, k: int, prompts: list[list[int]],
@@ -282,6 +300,7 @@ def main() -> None:
                     got = run_llama(srv, prompts, args.max_tokens)
                 row["llama.cpp"] = {k: v for k, v in got.items() if k != "outputs"}
                 row["llama.cpp"]["same_text"] = same_text(got["outputs"], ours["outputs"])
+                row["llama.cpp"]["tau_same_texts"] = tau_on_same_texts(ours, got)
                 print(f"{name}: llama-server tau {got['tau']:.3f} ({got['drafts']:.0f} drafts), "
                       f"{got['tok_s']:.1f} tok/s, same text {row['llama.cpp']['same_text']}", flush=True)
             except (RuntimeError, OSError) as e:
@@ -310,14 +329,14 @@ def cell(r: dict | None, key: str, fmt: str) -> str:
 
 def print_table(rows: list[dict], args, has_vllm: bool) -> None:
     print("\n| drafter | K | tau verispec | tau llama-server | llama/verispec | tau vLLM | same text (llama) "
-          "| converts | tok/s verispec (its path) | tok/s llama-server (Q4_1) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| tau on the same texts (verispec / llama) | converts | tok/s verispec (its path) | tok/s llama-server (Q4_1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         v, lc, vl = r["verispec"], r.get("llama.cpp"), r.get("vllm")
         ratio = (f"{lc['tau'] / v['tau']:.3f}" if lc and "tau" in lc else "-")
         print(f"| {r['drafter']} | {args.k} | {v['tau']:.3f} | {cell(lc, 'tau', '.3f')} | {ratio} | "
               f"{cell(vl, 'tau', '.3f') if has_vllm else 'vLLM missing'} | {lc.get('same_text', '-') if lc else '-'} "
-              f"| {r.get('converts', 'not run')} | {v['tok_s']:.1f} | {cell(lc, 'tok_s', '.1f')} |")
+              f"| {lc.get('tau_same_texts', '-') if lc else '-'} | {r.get('converts', 'not run')} | {v['tok_s']:.1f} | {cell(lc, 'tok_s', '.1f')} |")
     print("\ncommands:")
     for r in rows:
         for c in r["commands"]:

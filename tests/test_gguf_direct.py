@@ -201,3 +201,24 @@ def test_a_file_it_cannot_cover_loads_densely_and_says_so(files, tmp_path, capsy
     assert load_q8act_direct(path, cfg, torch.float32, 64) is not None
     assert load_q8act_direct(path, wrong, torch.float32, 64) is None
     assert "cannot cover this file" in capsys.readouterr().err
+
+
+@needs_kernel
+def test_a_head_repacked_from_file_rows_is_the_head_repacked_whole(files, monkeypatch) -> None:
+    """The head is repacked from the file some rows at a time (never its whole raw bytes and its tiles in memory
+    together): the tiles equal those packed from gguf's own reading of the whole tensor, pieces of any size."""
+    from verispec.kernels import q8act
+    from verispec.kernels.q8act import Q8ActWeight
+    from verispec.models.gguf_index import GGUFIndex
+
+    path = files["mixed-tied"]
+    name = "token_embd.weight"
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == name)
+    whole = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # gguf's reader: [V, bytes per row]
+    kind = GGMLQuantizationType(t.tensor_type).name
+    ref = Q8ActWeight(whole, kind, whole.shape[0], int(t.shape[0]))
+    monkeypatch.setattr(q8act, "PACK_ROWS", 24)  # pieces of 3 tiles, the last one short
+    rows = GGUFIndex.open(path).row_source(name)
+    assert rows.shape == whole.shape and np.array_equal(rows.rows(5, 9), whole[5:9])
+    got = Q8ActWeight(rows, kind, whole.shape[0], int(t.shape[0]))
+    assert torch.equal(got.tiles, ref.tiles) and torch.equal(got.layout, ref.layout)

@@ -13,7 +13,7 @@ formats along N (a mixed file's q, k, v): each part runs on its own blocks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -54,19 +54,33 @@ def tile_rows(raw: np.ndarray, kind: str) -> np.ndarray:
 PACK_ROWS = 8192  # rows repacked at a time: a 150k-row head's intermediates stay tens of MB, not its whole size
 
 
-def pack_rows(raw: np.ndarray, kind: str) -> np.ndarray:
+class RowSource(Protocol):
+    """Rows of blocks read on demand (a GGUF tensor in its file: models/gguf_index.py's `FileRows`), so that a large
+    weight is repacked without its raw bytes all in memory at once."""
+
+    shape: tuple[int, int]
+    ndim: int
+
+    def rows(self, lo: int, hi: int) -> np.ndarray: ...
+
+
+def _rows(raw: np.ndarray | RowSource, lo: int, hi: int) -> np.ndarray:
+    return np.asarray(raw[lo:hi], np.uint8) if isinstance(raw, np.ndarray) else raw.rows(lo, hi)
+
+
+def pack_rows(raw: np.ndarray | RowSource, kind: str) -> np.ndarray:
     """`tile_rows` (Q4_0, Q4_1, Q8_0) or `kquant.pack` (the others) of raw [N, row bytes], PACK_ROWS rows at a
     time into one array: each group of 8 rows packs alone, so the pieces are the whole's slices, and the decoding's
     intermediates are a piece's size, not the weight's."""
     one = tile_rows if kind in BLOCK_BYTES else kquant.pack
     n = raw.shape[0]
     if n <= PACK_ROWS:
-        return one(raw, kind)
-    first = one(raw[:PACK_ROWS], kind)
+        return one(_rows(raw, 0, n), kind)
+    first = one(_rows(raw, 0, PACK_ROWS), kind)
     out = np.empty((-(-n // ROWS), *first.shape[1:]), np.uint8)
     out[: PACK_ROWS // ROWS] = first
     for lo in range(PACK_ROWS, n, PACK_ROWS):
-        piece = one(raw[lo : lo + PACK_ROWS], kind)
+        piece = one(_rows(raw, lo, min(n, lo + PACK_ROWS)), kind)
         out[lo // ROWS : lo // ROWS + piece.shape[0]] = piece
     return out
 
@@ -82,9 +96,10 @@ class Q8ActWeight(nn.Module):
     def __init__(self, raw: np.ndarray | torch.Tensor, kind: str, n: int, k: int,
                  more: Sequence[tuple[np.ndarray, str]] = ()) -> None:
         """raw: uint8 [N, K / block * block bytes], the GGUF tensor's rows (already in the model's row order), in
-        format `kind`; `more`: further (raw rows, kind) parts stacked below it along N (see `stacked`)."""
+        format `kind`, or a `RowSource` of them (read piece by piece while repacking); `more`: further (raw rows, kind) parts stacked below it along N (see `stacked`)."""
         super().__init__()
-        parts = [(np.asarray(raw, dtype=np.uint8), kind)] + [(np.asarray(r, np.uint8), f) for r, f in more]
+        first = raw if hasattr(raw, "rows") and not more else _rows(raw, 0, raw.shape[0])  # a RowSource: unread
+        parts = [(first, kind)] + [(np.asarray(r, np.uint8), f) for r, f in more]
         for i, (r, f) in enumerate(parts):
             if f not in KINDS:
                 raise ValueError(f"unsupported block format {f!r}; supported: {', '.join(KINDS)}")

@@ -31,7 +31,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from verispec.config import ModelConfig
-from verispec.models.gguf_blocks import KERNEL_FORMATS, raw_rows
+from verispec.models.gguf_blocks import KERNEL_FORMATS
 from verispec.models.gguf_embedding import GGUFEmbedding
 from verispec.models.gguf_index import GGUFIndex
 from verispec.models.llama import Layer, LlamaModel
@@ -139,10 +139,9 @@ def _load_ends(reader: GGUFIndex, net: LlamaModel, dtype: torch.dtype) -> set[st
         raise Uncovered(f"embedding / head shapes {emb.shape}, {reader.entry(head_name).shape} against the "
                         f"config's [{v}, {d}]")
     native = reader.entry(head_name).kind in KERNEL_FORMATS
-    if native:
-        raw, kind, k = raw_rows(reader, head_name)
-        net.head_weight = Q8ActWeight(raw, kind, raw.shape[0], k)
-        del raw
+    if native:  # repacked from the file some rows at a time: a 150k-row head is never all in memory twice
+        head = reader.entry(head_name)
+        net.head_weight = Q8ActWeight(reader.row_source(head_name), head.kind, v, d)
     del net.embed
     if tied and not native:  # the head runs dense on the embedding: one dense table serves both
         net.embed = nn.Parameter(dense_tensor(reader, "token_embd.weight", dtype))

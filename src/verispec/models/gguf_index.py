@@ -30,6 +30,28 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class FileRows:
+    """Rows [lo, hi) of a tensor stored at `offset` in `path`, `row_bytes` each, read into memory of their own."""
+
+    path: Path
+    offset: int
+    n: int
+    row_bytes: int
+    ndim: int = 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.row_bytes
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        count = (hi - lo) * self.row_bytes
+        out = np.fromfile(self.path, dtype=np.uint8, count=count, offset=self.offset + lo * self.row_bytes)
+        if out.size != count:
+            raise ValueError(f"{self.path}: rows {lo}..{hi} are cut short")
+        return out.reshape(hi - lo, self.row_bytes)
+
+
+@dataclass(frozen=True)
 class GGUFIndex:
     path: Path
     arch: str  # general.architecture ("llama", "qwen2", ...) or ""
@@ -51,6 +73,13 @@ class GGUFIndex:
         """The tensor's bytes as stored: uint8 [nbytes], a read-only memory map."""
         e = self.entry(name)
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=e.offset, shape=(e.nbytes,))
+
+    def row_source(self, name: str) -> FileRows:
+        """The tensor's rows of blocks ([N, bytes per row], N = all but its innermost dimension), read from the file
+        only when asked, some rows at a time (kernels/q8act.py's `RowSource`)."""
+        e = self.entry(name)
+        n = int(np.prod(e.shape[1:]))
+        return FileRows(self.path, e.offset, n, e.nbytes // n)
 
     def read(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored, read into memory of their own: uint8 [nbytes] (no map of the file stays
