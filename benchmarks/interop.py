@@ -41,6 +41,7 @@ from verispec import LLM, SamplingParams
 from verispec.bench.promscrape import parse_spec_metrics
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.train.cli import add_train_parser, cmd_train
+from verispec.models.loader import hf_directory
 
 DRAFTERS = {  # name -> (shipped checkpoint, export command, llama-server --spec-type, vLLM method)
     "eagle3": ("smollm2-135m-instruct-eagle3", "export-eagle3", "draft-eagle3", "eagle3"),
@@ -257,7 +258,7 @@ def main() -> None:
 
     base = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=4096, max_num_seqs=1, progress=False)
     print(f"verispec's target path: {base.path_choice.path.name}", flush=True)
-    target_dir, target_gguf = base.resolved.directory, base.resolved.gguf
+    target_dir, target_gguf = hf_directory(args.model), base.resolved.gguf  # with its dense weights
     prompts = [base.tokenizer(base.apply_chat_template(list(wp.messages)), add_special_tokens=False)["input_ids"]
                for wl in args.workloads.split(",") for wp in load_workload(wl, limit=args.limit)]
     print(f"{len(prompts)} prompts ({args.workloads}, {args.limit} each), K = {args.k}, max_tokens "

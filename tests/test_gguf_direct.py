@@ -222,3 +222,23 @@ def test_a_head_repacked_from_file_rows_is_the_head_repacked_whole(files, monkey
     assert rows.shape == whole.shape and np.array_equal(rows.rows(5, 9), whole[5:9])
     got = Q8ActWeight(rows, kind, whole.shape[0], int(t.shape[0]))
     assert torch.equal(got.tiles, ref.tiles) and torch.equal(got.layout, ref.layout)
+
+
+@needs_kernel
+def test_hf_directory_has_the_dense_weights_the_light_load_skips(files, tmp_path, monkeypatch) -> None:
+    """The light load writes only config and tokenizer into the converted directory; `hf_directory` (what the
+    exports guide hands llama.cpp's converter as --target-model-dir) adds the dense weights, which equal gguf's
+    dequantisation of the file."""
+    from safetensors.torch import load_file
+
+    from verispec.models.loader import hf_directory, load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # a fresh cache: nothing converted before
+    path = files["qwen2-tied"]
+    _, resolved = load_model(str(path), dtype="float32", quantization="gguf-q8act", progress=False)
+    assert not list(resolved.directory.glob("*.safetensors"))
+    d = hf_directory(str(path))
+    assert d == resolved.directory and (d / "model.safetensors").is_file() and (d / "config.json").is_file()
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == "output_norm.weight")
+    assert torch.equal(load_file(str(d / "model.safetensors"))["model.norm.weight"],
+                       torch.from_numpy(dequantize(t.data, GGMLQuantizationType(t.tensor_type)).copy()))

@@ -119,6 +119,13 @@ def _write_weights(gguf_path: Path, out: Path) -> None:
     os.replace(tmp, out / WEIGHTS_FILE)
 
 
+def hf_directory(model: str | os.PathLike) -> Path:
+    """`model` as a complete Hugging Face directory: config.json (with "architectures"), generation config, tokenizer
+    files and dense weights. For a GGUF (or a known name), its converted directory with the weights written once;
+    what other tools take as the target (llama.cpp's converter's --target-model-dir, transformers)."""
+    return with_weights(resolve(model, progress=False)).directory
+
+
 def with_weights(resolved: ResolvedModel) -> ResolvedModel:
     """`resolved` with dense weights on disk: a GGUF's converted directory gains its model.safetensors (once)."""
     if resolved.gguf is None or any(resolved.directory.glob("*.safetensors")):
