@@ -64,8 +64,8 @@ class RowSource(Protocol):
     def rows(self, lo: int, hi: int) -> np.ndarray: ...
 
 
-def _rows(raw: np.ndarray | RowSource, lo: int, hi: int) -> np.ndarray:
-    return np.asarray(raw[lo:hi], np.uint8) if isinstance(raw, np.ndarray) else raw.rows(lo, hi)
+def _rows(raw: np.ndarray | torch.Tensor | RowSource, lo: int, hi: int) -> np.ndarray:
+    return raw.rows(lo, hi) if hasattr(raw, "rows") else np.asarray(raw[lo:hi], np.uint8)
 
 
 def pack_rows(raw: np.ndarray | RowSource, kind: str) -> np.ndarray:
@@ -93,10 +93,11 @@ class Q8ActWeight(nn.Module):
 
     fuses_norm = True
 
-    def __init__(self, raw: np.ndarray | torch.Tensor, kind: str, n: int, k: int,
+    def __init__(self, raw: np.ndarray | torch.Tensor | RowSource, kind: str, n: int, k: int,
                  more: Sequence[tuple[np.ndarray, str]] = ()) -> None:
         """raw: uint8 [N, K / block * block bytes], the GGUF tensor's rows (already in the model's row order), in
-        format `kind`, or a `RowSource` of them (read piece by piece while repacking); `more`: further (raw rows, kind) parts stacked below it along N (see `stacked`)."""
+        format `kind`, or a `RowSource` of them (read piece by piece while repacking); `more`: further (raw rows,
+        kind) parts stacked below it along N (see `stacked`)."""
         super().__init__()
         first = raw if hasattr(raw, "rows") and not more else _rows(raw, 0, raw.shape[0])  # a RowSource: unread
         parts = [(first, kind)] + [(np.asarray(r, np.uint8), f) for r, f in more]

@@ -35,7 +35,7 @@ from verispec.models.gguf_blocks import KERNEL_FORMATS
 from verispec.models.gguf_embedding import GGUFEmbedding
 from verispec.models.gguf_index import GGUFIndex
 from verispec.models.llama import Layer, LlamaModel
-from verispec.models.quantized import _fused_tensors, _swap, finish_q8act, q8act_weight, report_fallbacks
+from verispec.models.quantized import _fused_tensors, _swap, finish_q8act, q8act_head, q8act_weight, report_fallbacks
 
 # tensors of a GGUF that configure rather than weigh (read into config.json by the converter)
 CONFIG_TENSORS = ("rope_freqs.weight",)
@@ -129,8 +129,6 @@ def _load_layer(reader: GGUFIndex, net: LlamaModel, i: int, layer: Layer, dtype:
 
 def _load_ends(reader: GGUFIndex, net: LlamaModel, dtype: torch.dtype) -> set[str]:
     """The embedding and the head. Returns the tensor names used."""
-    from verispec.kernels.q8act import Q8ActWeight
-
     cfg = net.cfg
     tied, v, d = cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size
     emb = reader.entry("token_embd.weight")
@@ -139,9 +137,8 @@ def _load_ends(reader: GGUFIndex, net: LlamaModel, dtype: torch.dtype) -> set[st
         raise Uncovered(f"embedding / head shapes {emb.shape}, {reader.entry(head_name).shape} against the "
                         f"config's [{v}, {d}]")
     native = reader.entry(head_name).kind in KERNEL_FORMATS
-    if native:  # repacked from the file some rows at a time: a 150k-row head is never all in memory twice
-        head = reader.entry(head_name)
-        net.head_weight = Q8ActWeight(reader.row_source(head_name), head.kind, v, d)
+    if native:
+        net.head_weight = q8act_head(reader, head_name)
     del net.embed
     if tied and not native:  # the head runs dense on the embedding: one dense table serves both
         net.embed = nn.Parameter(dense_tensor(reader, "token_embd.weight", dtype))

@@ -44,11 +44,17 @@ class FileRows:
         return self.n, self.row_bytes
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
-        count = (hi - lo) * self.row_bytes
-        out = np.fromfile(self.path, dtype=np.uint8, count=count, offset=self.offset + lo * self.row_bytes)
-        if out.size != count:
-            raise ValueError(f"{self.path}: rows {lo}..{hi} are cut short")
-        return out.reshape(hi - lo, self.row_bytes)
+        data = read_bytes(self.path, self.offset + lo * self.row_bytes, (hi - lo) * self.row_bytes, f"rows {lo}..{hi}")
+        return data.reshape(hi - lo, self.row_bytes)
+
+
+def read_bytes(path: Path, offset: int, count: int, what: str) -> np.ndarray:
+    """uint8 [count] of `path` from `offset`, read into memory of their own (no map of the file stays behind);
+    `what` names them in the error where the file is cut short."""
+    out = np.fromfile(path, dtype=np.uint8, count=count, offset=offset)
+    if out.size != count:
+        raise ValueError(f"{path}: {what} is cut short ({out.size} of {count} bytes)")
+    return out
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,7 @@ class GGUFIndex:
         """The tensor's bytes as stored, read into memory of their own: uint8 [nbytes] (no map of the file stays
         behind, so a loader that repacks tensor by tensor holds one tensor's bytes at a time)."""
         e = self.entry(name)
-        out = np.fromfile(self.path, dtype=np.uint8, count=e.nbytes, offset=e.offset)
-        if out.size != e.nbytes:
-            raise ValueError(f"{self.path}: tensor {name} is cut short ({out.size} of {e.nbytes} bytes)")
-        return out
+        return read_bytes(self.path, e.offset, e.nbytes, f"tensor {name}")
 
 
 @functools.lru_cache(maxsize=8)

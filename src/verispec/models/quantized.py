@@ -156,8 +156,6 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
     """Replace `model`'s block-format linears and output head with `Q8ActWeight`s built from `gguf_path`, in
     place (a CPU model loaded from that file). Returns how many were replaced, the head included. Each part of a
     fused weight keeps its own format (a Q4_K_M's v rows may be Q6_K beside Q4_K q and k rows)."""
-    from verispec.kernels.q8act import Q8ActWeight
-
     reader = GGUFIndex.open(gguf_path)
     replaced = 0
     report_fallbacks(str(gguf_path))
@@ -170,8 +168,7 @@ def quantize_q8act(model: LlamaModel, gguf_path: str | os.PathLike) -> int:
             replaced += 1
     head = "token_embd.weight" if model.lm_head is None else "output.weight"
     if tensor_kind(reader, head) in KERNEL_FORMATS:
-        raw, kind, k = raw_rows(reader, head)
-        model.head_weight = Q8ActWeight(raw, kind, raw.shape[0], k)
+        model.head_weight = q8act_head(reader, head)
         replaced += 1
     finish_q8act(model)
     return replaced
@@ -187,6 +184,16 @@ def q8act_weight(reader: GGUFIndex, parts: list[tuple[str, int | None]]) -> nn.M
         raw, kind, k = raw_rows(reader, name)
         rows.append((raw if h is None else raw[unpermute_rows(raw.shape[0], h)], kind))
     return Q8ActWeight.stacked(rows, k)
+
+
+def q8act_head(reader: GGUFIndex, name: str) -> nn.Module:
+    """The output head's `Q8ActWeight` from tensor `name` ([V, d] in a kernel format), repacked from the file some
+    rows at a time: a 150k-row head's raw bytes and its tiles are never both whole in memory."""
+    from verispec.kernels.q8act import Q8ActWeight
+
+    e = reader.entry(name)
+    rows = reader.row_source(name)
+    return Q8ActWeight(rows, e.kind, rows.shape[0], int(e.shape[0]))
 
 
 def finish_q8act(model: LlamaModel) -> None:
