@@ -149,6 +149,78 @@ def test_sampled_outputs_stay_in_the_grammar(plain):
             _check_valid(spec, out)
 
 
+def _walk_states(llm, spec, prompt):
+    """(a fresh matcher, the output tokens of greedy constrained decoding): the states the tests below visit."""
+    out = _run(llm, spec, [prompt], max_tokens=40)[0]
+    return llm.processors.compiler.matcher(StructuredOutputsParams.from_any(spec)), list(out.token_ids)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["json", "regex", "choice", "gbnf", "json_object"])
+def test_allows_never_admits_a_token_the_mask_forbids(plain, spec):
+    """`Matcher.allows` (the greedy rows' shortcut) against llguidance's full next-token bitmask at every state of
+    an output: a token it allows is always in the mask (the other way round it may say no: the mask is then
+    filled), and it does allow tokens, so the shortcut is taken."""
+    m, ids = _walk_states(plain, spec, PROMPTS[2])
+    gen = torch.Generator().manual_seed(0)
+    said_yes = 0
+    for t in ids + [None]:
+        mask = m.masks([[]])[0]
+        probe = set(torch.randint(0, len(mask), (1500,), generator=gen).tolist())
+        probe |= set(mask.nonzero()[0][:300].tolist()) | set(plain.eos_ids)
+        for x in probe:
+            if m.allows(x):
+                said_yes += 1
+                assert mask[x], f"allows({x}) but the mask forbids it"
+        if t is None or m.m.is_stopped():
+            break
+        m.commit([t])
+    if len(ids) > 2:  # json_object's answer here is "{}": its states are all forced or final
+        assert said_yes > len(ids), "the shortcut must apply at most states"
+
+
+def test_walking_past_the_end_and_back_keeps_the_state(plain):
+    """A walk over [last token, EOS] and back (llguidance takes the EOS after the end without a history entry, so
+    rolling back two tokens would undo one too many) leaves the matcher where a fresh one fed the same output is."""
+    m, ids = _walk_states(plain, SPECS[0], PROMPTS[1])
+    assert ids[-1] in plain.eos_ids, "the schema's bounds end the answer"
+    m.commit(ids[:-2])
+    fresh = plain.processors.compiler.matcher(StructuredOutputsParams.from_any(SPECS[0]))
+    fresh.commit(ids[:-2])
+    m.chain_masks(ids[-2:])
+    m.masks([ids[-2:]])
+    assert m.state_key() == fresh.state_key()
+    assert m.valid_prefix([ids[-2]]) == 1
+
+
+@pytest.mark.parametrize("spec", SPECS[:3], ids=["json", "regex", "choice"])
+def test_greedy_rows_pick_what_the_full_mask_picks(plain, spec):
+    """Greedy chains skip the mask where a row's argmax is allowed: on random logits (most argmaxes forbidden, some
+    moved onto an allowed token) and drafts of 0-3 allowed tokens, each processed row's argmax equals the argmax of
+    the same row under the full mask (`chain_masks`, llguidance's bitmask)."""
+    from verispec.sampling.processor import RequestProcessor
+
+    m, ids = _walk_states(plain, spec, PROMPTS[1])
+    params = SamplingParams(temperature=0, structured_outputs=spec)
+    proc = RequestProcessor(params, [1], plain.model.cfg.vocab_size, plain.eos_ids, m, [])
+    gen = torch.Generator().manual_seed(1)
+    lazy = 0
+    for at in range(len(ids)):
+        draft = ids[at : at + int(torch.randint(0, 4, (1,), generator=gen))]
+        draft = draft[: m.valid_prefix(draft)]  # as the engine cuts drafts (an EOS after the end is cut)
+        logits = torch.randn(len(draft) + 1, plain.model.cfg.vocab_size, generator=gen)
+        full = torch.from_numpy(m.chain_masks(draft)[:, : logits.shape[1]])
+        for i in range(logits.shape[0]):
+            if torch.rand(1, generator=gen) < 0.5:  # move the maximum onto an allowed token
+                ok = full[i].nonzero()[:, 0]
+                logits[i, ok[int(torch.randint(0, len(ok), (1,), generator=gen))]] = 50.0
+        got = proc.process(logits, ids[:at], draft).argmax(1)
+        want = logits.masked_fill(~full, float("-inf")).argmax(1)
+        assert got.tolist() == want.tolist(), f"at {at} with draft {draft}"
+        lazy += int((got == logits.argmax(1)).sum())
+        m.commit([ids[at]])
+    assert lazy > 0
+
+
 # ---- constrained sampling is exact: a 5-token vocabulary, a regex over three of its letters ----------------------
 
 LETTERS = {0: "a", 3: "b", 4: "c"}  # token id -> text; 1 and 2 are BOS / EOS

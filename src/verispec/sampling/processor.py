@@ -44,12 +44,16 @@ class RequestProcessor:
     def process(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
                 paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """logits: [rows, V] raw target logits of a verified block -> processed float32 logits (a copy).
-        A chain: row i follows draft[:i]. A tree: row i follows paths[i] (the root's is empty)."""
+        A chain: row i follows draft[:i]. A tree: row i follows paths[i] (the root's is empty).
+
+        The controls come first, then the mask: each control maps a logit on its own and keeps -inf at -inf, so
+        the order does not change a bit. A greedy chain's rows are masked only where needed: where a row's
+        argmax is a token the mask allows (`Matcher.allows`, about 1 us), the masked row's argmax is that same
+        token (masking only lowers logits to -inf, and the first maximum stays the first), so the row is left
+        as it is and the mask (about 200 us on a 49k vocabulary) is not filled. Sampled rows and trees are always
+        masked: their whole distribution is read."""
         rows = logits.float().clone()
         prefixes = [list(draft[:i]) for i in range(rows.shape[0])] if paths is None else [list(p) for p in paths]
-        if self.matcher is not None:
-            allowed = (self.matcher.chain_masks(draft) if paths is None else self.matcher.masks(prefixes))
-            rows.masked_fill_(torch.from_numpy(~allowed[:, : rows.shape[1]]), float("-inf"))
         if self.controls:
             base = self._counts(output) if self.penalties else None
             for i, prefix in enumerate(prefixes):
@@ -60,6 +64,17 @@ class RequestProcessor:
                         counts.index_add_(0, torch.tensor(prefix, dtype=torch.long), torch.ones(len(prefix)))
                 apply_row(rows[i], self.params, list(output) + prefix, counts, self.prompt_mask, self.stop_ids,
                           self.bad)
+        if self.matcher is None:
+            return rows
+        v = rows.shape[1]
+        if paths is None and self.params.greedy:
+            picks = rows.numpy().argmax(axis=1).tolist()  # [rows]; numpy's is ~10x faster than torch's on a row
+            for i, allowed in enumerate(self.matcher.chain_picks(draft, picks)):
+                if allowed is not None:
+                    rows[i].masked_fill_(torch.from_numpy(allowed[:v]).logical_not(), float("-inf"))
+            return rows
+        allowed = self.matcher.chain_masks(draft) if paths is None else self.matcher.masks(prefixes)  # [rows, V]
+        rows.masked_fill_(torch.from_numpy(allowed[:, :v]).logical_not(), float("-inf"))
         return rows
 
     def _counts(self, output: Sequence[int]) -> torch.Tensor:
