@@ -10,13 +10,13 @@ Each format's blocks are decoded to unsigned levels q per element and their scal
   IQ4_NL  w = d IQ4[q]             per 32: d fp16, q 0..15 indexing 16 fixed int8 values (llama.cpp's kvalues)
   IQ4_XS  w = (d (ls_j - 32)) IQ4[q]  per sub-block j (32) of 256: d fp16 -> fp32, ls_j 6-bit
 and laid out per 8 output rows: the low 4 bits of q in the nibble groups Q4_0 / Q4_1 use, the bits above in planes
-after them, the per-256 scales widened to fp32 (d sc_j and dmin m_j are then exact fp32 products, 11 x 6 bits).
-So a sub-block of Q4_K / Q5_K is a Q4_1-style block of scale d sc_j and min -dmin m_j, both exact, and the kernel
-runs Q4_1's arithmetic on it; Q6_K's two scales per 32 are applied to the halves' exact integer sums.
+after them, every scale as the file stores it (fp16 d, dmin as -dmin, Q4_K / Q5_K's 12 bytes of packed 6-bit scales
+and mins, which the kernel unpacks per sub-block). So a sub-block of Q4_K / Q5_K is a Q4_1-style block of scale
+d sc_j and min -dmin m_j, both exact fp32 products (11 x 6 bits), and the kernel runs Q4_1's arithmetic on it;
+Q6_K's two scales per 32 are applied to the halves' exact integer sums.
 
-Bits per weight, repacked against the file: Q4_K 4.75 / 4.5, Q5_K 5.75 / 5.5, Q6_K 6.625 / 6.5625, Q5_0 5.5 / 5.5,
-Q5_1 6.0 / 6.0, IQ4_NL 4.5 / 4.5, IQ4_XS 4.375 / 4.25 (the extra is the fp32 superblock scales and the 6-bit
-sub-block scales kept one byte each).
+Bytes, repacked against the file: the same for every format but IQ4_XS (4.3125 bits per weight against 4.25: its
+6-bit sub-block scales are kept one byte each).
 
 Activations: rounded to int8 with one scale per 32 values for every format, as for Q4_0 / Q8_0 (llama.cpp rounds
 them per 256 against the K-quants, its Q8_K). Per 32 is the finer rounding (an outlier spoils 32 values, not 256):
@@ -55,7 +55,7 @@ def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode(raw: np.ndarray, kind: str) -> dict[str, np.ndarray]:
     """raw: uint8 [N, K / block * bytes per block], a tensor's rows of file blocks -> {"q": uint8 [N, K] levels,
     and per format its scales: "d" [N, blocks] float16 (+ "m" for Q5_1); K-quants "d" (+ "dmin") [N, K/256]
-    float16, "sc" (+ "mn") [N, K/256, 8 or 16] uint8 (int8 for Q6_K)}."""
+    float16, "sc" (+ "mn") [N, K/256, 8 or 16] uint8 (int8 for Q6_K), Q4_K / Q5_K's packed "scales" [N, K/256, 12]}."""
     elems, size = FILE_BLOCKS[kind]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     n = raw.shape[0]
@@ -89,7 +89,8 @@ def decode(raw: np.ndarray, kind: str) -> dict[str, np.ndarray]:
         if kind == "Q5_K":
             qh = b[:, :, 16:48]  # bit i of byte l: element 32 i + l
             q = q | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4).reshape(n, nb, 256)
-        return {"q": q.reshape(n, -1), "d": _f16(b[:, :, 0:2]), "dmin": _f16(b[:, :, 2:4]), "sc": sc, "mn": mn}
+        return {"q": q.reshape(n, -1), "d": _f16(b[:, :, 0:2]), "dmin": _f16(b[:, :, 2:4]), "sc": sc, "mn": mn,
+                "scales": b[:, :, 4:16]}
     # Q6_K: ql [128], qh [64], scales int8 [16], d; per 128-element half, ql's 64 bytes hold elements l (low
     # nibbles) and 64 + l (high), qh's 32 bytes the 2 high bits of elements 32 s + l in bits 2 s
     ql, qh = b[:, :, 0:128].reshape(n, nb, 2, 64), b[:, :, 128:192].reshape(n, nb, 2, 32)
@@ -162,11 +163,11 @@ def pack(raw: np.ndarray, kind: str) -> np.ndarray:
         lead = [_by_rows(dec["d"], g)] + ([_by_rows(dec["m"], g)] if kind == "Q5_1" else [])
         return np.ascontiguousarray(np.concatenate([*lead, quants], -1))
     ns = quants.shape[1] // 8
-    head = [_by_rows(dec["d"].astype(np.float32), g)]
+    head = [_by_rows(dec["d"], g)]  # fp16, as in the file
     if kind == "Q6_K":
         head.append(_by_rows(dec["sc"], g))  # [G, ns, 16 halves x 8 rows]
     elif kind == "IQ4_XS":
         head.append(_by_rows(dec["ls"], g))  # [G, ns, 8 sub-blocks x 8 rows]: ls_j - 32
     else:
-        head += [_by_rows(-dec["dmin"].astype(np.float32), g), _by_rows(dec["sc"], g), _by_rows(dec["mn"], g)]
+        head += [_by_rows(-dec["dmin"], g), _by_rows(dec["scales"], g)]  # -dmin fp16; [G, ns, 12 bytes x 8 rows]
     return np.ascontiguousarray(np.concatenate([*head, quants.reshape(g, ns, -1)], -1))

@@ -18,16 +18,18 @@
  * the other rows or the thread count: a row's result never depends on its batch (batch invariance).
  *
  * Five more formats are repacked at load (kernels/kquant.py) into the same 4-bit x8 quant groups, the bits above
- * the fourth in planes beside them, their scales widened exactly to fp32 where they were products:
+ * the fourth in planes beside them, every scale kept as the file stores it (so the K-quant tiles are no larger
+ * than the file's blocks, but for IQ4_XS's 6-bit scales kept a byte each):
  *   Q5_0 (w = (q - 16) d), Q5_1 (w = q d + m), q 5-bit: per 32 a tile d[8] fp16 | m[8] (Q5_1) | 128 nibble bytes
  *     | 32 bytes of high bits (bit G of byte [row][e] = bit 4 of element 4G + e);
  *   Q4_K, Q5_K (w = d sc_j q - dmin m_j per 32-element sub-block j of 256): per 8 rows x 256 a superblock
- *     d[8] fp32 | -dmin[8] fp32 | sc[8 sub-blocks][8 rows] u8 | m[8][8] u8 | 8 x (128 nibble bytes | 32 high bytes
- *     (Q5_K)); a sub-block is then a 32-block of scale d sc_j and min -dmin m_j, both exact in fp32;
- *   Q6_K (w = d sc_h (q - 32) per 16-element half h): d[8] fp32 | sc[16 halves][8 rows] s8 | 8 x (128 nibble bytes
+ *     d[8] fp16 | -dmin[8] fp16 | the file's 12 scale bytes [12][8 rows] (sc_j, m_j 6-bit: scale_min_k4) | 8 x (128
+ *     nibble bytes | 32 high bytes (Q5_K)); a sub-block is then a 32-block of scale d sc_j and min -dmin m_j, both
+ *     products exact in fp32 (11 x 6 bits);
+ *   Q6_K (w = d sc_h (q - 32) per 16-element half h): d[8] fp16 | sc[16 halves][8 rows] s8 | 8 x (128 nibble bytes
  *     | 64 bytes of 2 high bits: groups 0..3 then 4..7, bits 2(G % 4) .. + 1);
  *   IQ4_NL (w = d IQ4[q] per 32, a table of 16 int8 values): d[8] fp16 | 128 nibble bytes; IQ4_XS (w = d (ls_j - 32)
- *     IQ4[q] per sub-block j of 256): d[8] fp32 | ls_j - 32 [8][8] s8 | 8 x 128 nibble bytes.
+ *     IQ4[q] per sub-block j of 256): d[8] fp16 | ls_j - 32 [8][8] s8 | 8 x 128 nibble bytes.
  * For those, per block (G: groups of 4 elements, S: the exact integer sum of q_w q_x):
  *   Q5_0 / Q5_1 / Q4_K / Q5_K: as Q4_1 with their d and m (acc = fma(float(S), d * s_x, acc), mins = fma(m, ss))
  *   Q6_K: I = sc_a (S_a - 32 X_a) + sc_b (S_b - 32 X_b) over the block's halves (X: their sums of q_x), exact in
@@ -59,7 +61,7 @@
 #define QK 32
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8, IQ4_XS = 9,
        NKINDS = 10 };
-static const int TILE_BYTES[NKINDS] = {144, 160, 272, 176, 192, 1216, 1472, 1696, 144, 1120};
+static const int TILE_BYTES[NKINDS] = {144, 160, 272, 176, 192, 1152, 1408, 1680, 144, 1104};
 /* IQ4_NL / IQ4_XS: a nibble indexes these int8 values (llama.cpp's kvalues_iq4nl) */
 static const int8_t IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -78,10 +80,10 @@ static inline const uint8_t *tile_at(const uint8_t *w, int kind, int64_t nb, int
 static inline int64_t quant_off(int kind, int64_t b) {
     switch (kind) {
     case Q5_1: return 32;
-    case Q4_K: return 192 + (b % 8) * 128;
-    case Q5_K: return 192 + (b % 8) * 160;
-    case Q6_K: return 160 + (b % 8) * 192;
-    case IQ4_XS: return 96 + (b % 8) * 128;
+    case Q4_K: return 128 + (b % 8) * 128;
+    case Q5_K: return 128 + (b % 8) * 160;
+    case Q6_K: return 144 + (b % 8) * 192;
+    case IQ4_XS: return 80 + (b % 8) * 128;
     default: return 16;
     }
 }
@@ -274,7 +276,19 @@ static inline int32_t gen_quant(const uint8_t *qs, int kind, int i, int j) {
     return v;
 }
 
-static inline float tile_f32(const uint8_t *p, int i) { float f; memcpy(&f, p + 4 * i, 4); return f; }
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and min of row i from the superblock's 12 scale bytes s[k][row] (the
+ * file's bytes, 8 rows side by side): j < 4 in the low 6 bits of bytes j (scale) and 4 + j (min); j >= 4 in the
+ * nibbles of byte 4 + j and the top 2 bits of bytes j - 4 (scale) and j (min) */
+static inline void scale_min_k4(const uint8_t *s, int j, int i, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[8 * j + i] & 63;
+        *mn = s[8 * (j + 4) + i] & 63;
+    } else {
+        const int c = s[8 * (j + 4) + i];
+        *sc = (c & 15) | ((s[8 * (j - 4) + i] >> 6) << 4);
+        *mn = (c >> 4) | ((s[8 * j + i] >> 6) << 4);
+    }
+}
 
 /* row i's scale d and min m of block b of a new kind's tile t, or (Q6_K) d and its halves' scales sa, sb */
 static inline void gen_params(const uint8_t *t, int kind, int64_t b, int i, float *d, float *m, int32_t *sa,
@@ -284,15 +298,17 @@ static inline void gen_params(const uint8_t *t, int kind, int64_t b, int i, floa
     *m = 0.0f;
     if (kind == Q5_0) { *d = tile_half(t, i); *m = -16.0f * *d; }
     else if (kind == IQ4_NL) *d = tile_half(t, i);
-    else if (kind == IQ4_XS) *d = tile_f32(t, i) * (float)(int8_t)t[32 + 8 * j + i]; /* d (ls_j - 32), exact */
+    else if (kind == IQ4_XS) *d = tile_half(t, i) * (float)(int8_t)t[16 + 8 * j + i]; /* d (ls_j - 32), exact */
     else if (kind == Q5_1) { *d = tile_half(t, i); *m = tile_half(t + 16, i); }
     else if (kind == Q6_K) {
-        *d = tile_f32(t, i);
-        *sa = (int8_t)t[32 + 16 * j + i];
-        *sb = (int8_t)t[40 + 16 * j + i];
+        *d = tile_half(t, i);
+        *sa = (int8_t)t[16 + 16 * j + i];
+        *sb = (int8_t)t[24 + 16 * j + i];
     } else { /* Q4_K, Q5_K: d sc_j and -dmin m_j, products exact in fp32 */
-        *d = tile_f32(t, i) * (float)t[64 + 8 * j + i];
-        *m = tile_f32(t + 32, i) * (float)t[128 + 8 * j + i];
+        int sc, mn;
+        scale_min_k4(t + 32, j, i, &sc, &mn);
+        *d = tile_half(t, i) * (float)sc;
+        *m = tile_half(t + 16, i) * (float)mn;
     }
 }
 
@@ -439,8 +455,25 @@ static inline __attribute__((always_inline)) void gen_unpack8(const uint8_t *qs,
     }
 }
 
-static inline __m256 u8_to_ps(const uint8_t *p) { /* 8 bytes -> 8 floats */
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+static inline __m256 u8_to_ps(__m128i v) { /* the low 8 bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+static inline __m128i load8(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+
+/* scale_min_k4 for the 8 rows at once: sc and mn as 8 bytes each (the byte shifts as 16-bit ones on bits masked so
+ * that nothing crosses into the neighbouring byte) */
+static inline __attribute__((always_inline)) void scale_min_k4_8(const uint8_t *s, int j, __m128i *sc, __m128i *mn) {
+    if (j < 4) {
+        *sc = _mm_and_si128(load8(s + 8 * j), _mm_set1_epi8(63));
+        *mn = _mm_and_si128(load8(s + 8 * (j + 4)), _mm_set1_epi8(63));
+        return;
+    }
+    const __m128i c = load8(s + 8 * (j + 4)), top = _mm_set1_epi8((char)0xC0);
+    *sc = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi8(15)),
+                       _mm_srli_epi16(_mm_and_si128(load8(s + 8 * (j - 4)), top), 2));
+    *mn = _mm_or_si128(_mm_srli_epi16(_mm_and_si128(c, _mm_set1_epi8((char)0xF0)), 4),
+                       _mm_srli_epi16(_mm_and_si128(load8(s + 8 * j), top), 2));
 }
 
 /* gen_params for the 8 rows of tile t at once (the same values) */
@@ -450,19 +483,22 @@ static inline __attribute__((always_inline)) void gen_params8(const uint8_t *t, 
     if (kind == IQ4_NL) {
         *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
     } else if (kind == IQ4_XS) {
-        const __m128i ls = _mm_loadl_epi64((const __m128i *)(t + 32 + 8 * j)); /* ls_j - 32, int8 */
-        *d = _mm256_mul_ps(_mm256_loadu_ps((const float *)t), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ls)));
+        const __m128i ls = load8(t + 16 + 8 * j); /* ls_j - 32, int8 */
+        *d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ls)));
     } else if (kind == Q5_0 || kind == Q5_1) {
         *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
         *m = kind == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16)))
                           : _mm256_mul_ps(*d, _mm256_set1_ps(-16.0f));
     } else if (kind == Q6_K) {
-        *d = _mm256_loadu_ps((const float *)t);
-        *sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 32 + 16 * j)));
-        *sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 40 + 16 * j)));
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+        *sa = _mm256_cvtepi8_epi32(load8(t + 16 + 16 * j));
+        *sb = _mm256_cvtepi8_epi32(load8(t + 24 + 16 * j));
     } else {
-        *d = _mm256_mul_ps(_mm256_loadu_ps((const float *)t), u8_to_ps(t + 64 + 8 * j));
-        *m = _mm256_mul_ps(_mm256_loadu_ps((const float *)(t + 32)), u8_to_ps(t + 128 + 8 * j));
+        __m128i sc, mn;
+        scale_min_k4_8(t + 32, j, &sc, &mn);
+        *d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t)), u8_to_ps(sc));
+        *m = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 16))), u8_to_ps(mn));
     }
 }
 
