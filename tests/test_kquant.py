@@ -107,24 +107,31 @@ def test_the_kernels_view_of_the_weight_is_ggufs(kind: str, body: str) -> None:
 @pytest.mark.parametrize("kind", ALL)
 def test_products_are_gguf_weights_times_the_rounded_activations_on_every_body(kind: str) -> None:
     """N = 44 (a part-padded tile), 40 and 72 (odd tile counts: the AVX-512 body pairs tiles and takes the odd one
-    alone); M covers every row-tile size of the bodies and their tails."""
+    alone); M covers every row-tile size of the bodies and their tails, and the AVX-512 body runs with pairs from
+    1, 5 (its default) and 9 rows (8-lane tiles of up to 8 rows in one pass)."""
     from verispec.kernels.q8act import Q8ActWeight
 
     k = 512
-    for n in (44, 40, 72):
-        raw = random_blocks(kind, n, k, seed=n)
-        packed, wd = Q8ActWeight(raw, kind, n, k), gguf_weight(raw, kind, n, k)
-        for m in (1, 2, 3, 5, 8, 9, 17):
-            x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            xq = quantised(x)
-            ref, bound = xq @ wd.T, (xq.abs() @ wd.abs().T) * 2e-6 + 1e-6  # fp32 sums of K products
-            outs = {}
-            for body in LIB.bodies:
-                outs[body] = torch.empty(m, n)
-                LIB.linear(packed.tiles, packed.layout, n, k, x, outs[body], body=body)
-            assert ((outs["portable"].double() - ref).abs() <= bound).all(), (n, m)
-            for body, out in outs.items():
-                assert torch.equal(out, outs["portable"]), (body, n, m)
+    was = LIB.lib.vs_set_pair_rows(0)
+    try:
+        for n in (44, 40, 72):
+            raw = random_blocks(kind, n, k, seed=n)
+            packed, wd = Q8ActWeight(raw, kind, n, k), gguf_weight(raw, kind, n, k)
+            for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+                x = 3 * torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                xq = quantised(x)
+                ref, bound = xq @ wd.T, (xq.abs() @ wd.abs().T) * 2e-6 + 1e-6  # fp32 sums of K products
+                outs = {}
+                for body in LIB.bodies:
+                    for pair_from in ((1, 5, 9) if body == "avx512-vnni" else (5,)):
+                        LIB.lib.vs_set_pair_rows(pair_from)
+                        outs[body, pair_from] = torch.empty(m, n)
+                        LIB.linear(packed.tiles, packed.layout, n, k, x, outs[body, pair_from], body=body)
+                assert ((outs["portable", 5].double() - ref).abs() <= bound).all(), (n, m)
+                for key, out in outs.items():
+                    assert torch.equal(out, outs["portable", 5]), (key, n, m)
+    finally:
+        LIB.lib.vs_set_pair_rows(was)
 
 
 @needs_kernel

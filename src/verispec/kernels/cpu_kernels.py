@@ -191,6 +191,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.vs_set_prefetch.restype = i32
     lib.vs_set_row_prefetch.argtypes = [i32]
     lib.vs_set_row_prefetch.restype = i32
+    lib.vs_set_pair_rows.argtypes = [i32]
+    lib.vs_set_pair_rows.restype = i32
     lib.vs_tile_bytes.argtypes = [i32]
     lib.vs_tile_bytes.restype = i32
 

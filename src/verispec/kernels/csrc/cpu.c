@@ -564,7 +564,7 @@ static inline __attribute__((always_inline)) void gen_dot_vnni(const __m256i *wv
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, const int kind, const qrows *x,
         int64_t N, int64_t K, int64_t g, int64_t r0, const int RT, const dest *o, const int vnni) {
     const int64_t nb = K / QK, tb = kind == Q4_0 ? 144 : kind == Q4_1 ? 160 : 272, qoff = kind == Q4_1 ? 32 : 16;
-    __m256 acc[4], mins[4];
+    __m256 acc[8], mins[8];
     for (int t = 0; t < RT; t++) { acc[t] = _mm256_setzero_ps(); mins[t] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
         if (kind >= Q5_0) { /* the new kinds: their own unpacking and, for Q6_K, the halves' integer scales */
@@ -640,6 +640,19 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
 static inline __attribute__((always_inline)) void group(const uint8_t *w, const int kind, const qrows *x,
         int64_t M, int64_t N, int64_t K, int64_t g, const dest *o, const int vnni) {
     int64_t r0 = 0;
+    if (vnni) { /* the AVX-512 build: its 32 vector registers hold 8 rows' accumulators beside the tile */
+        for (; r0 + 8 <= M; r0 += 8) tile_rows(w, kind, x, N, K, g, r0, 8, o, vnni);
+        switch (M - r0) { /* the rest in one pass over the tiles, as below */
+        case 7: tile_rows(w, kind, x, N, K, g, r0, 7, o, vnni); break;
+        case 6: tile_rows(w, kind, x, N, K, g, r0, 6, o, vnni); break;
+        case 5: tile_rows(w, kind, x, N, K, g, r0, 5, o, vnni); break;
+        case 4: tile_rows(w, kind, x, N, K, g, r0, 4, o, vnni); break;
+        case 3: tile_rows(w, kind, x, N, K, g, r0, 3, o, vnni); break;
+        case 2: tile_rows(w, kind, x, N, K, g, r0, 2, o, vnni); break;
+        case 1: tile_rows(w, kind, x, N, K, g, r0, 1, o, vnni); break;
+        }
+        return;
+    }
     for (; r0 + 4 <= M; r0 += 4) tile_rows(w, kind, x, N, K, g, r0, 4, o, vnni);
     switch (M - r0) { /* the rest in one pass over the tiles (2 + 1 would unpack them twice): measured */
     case 3: tile_rows(w, kind, x, N, K, g, r0, 3, o, vnni); break;
@@ -685,8 +698,13 @@ static void gemm_avx2(const uint8_t *w, int kind, const qrows *x, int64_t M, int
                         * attention got cheaper), 128 no better; 0 (none) slower from 4 rows on */
 #endif
 #ifndef PAIR_ROWS
-#define PAIR_ROWS 4 /* from this many rows on, two tiles per vector: measured (3 rows: 8 lanes faster); fewer rows stream the weights */
+#define PAIR_ROWS 5 /* from this many rows on, two tiles per vector (vs_set_pair_rows changes it, for benchmarks):
+                     * measured on a 2-core Zen 4, forwards after 128 tokens, 8 lanes against pairs: 4 rows 6.1-6.2
+                     * against 6.6 ms (default model, Q4_1), 21.2-21.5 against 22.5 (a 0.5B Q4_K_M), 51.6 against
+                     * 58.1 (a 1.5B Q4_K_M); 5 rows 7.2-7.5 against 6.4 on the default model, alike or slightly
+                     * faster with 8 lanes at the larger shapes; 8 rows slower with 8 lanes everywhere */
 #endif
+static int pair_from = PAIR_ROWS;
 /* where the pair streams' tiles are fetched ahead to: 0 into L1 (T0), 1 into L2 (T1). Which is faster depends on the
  * CPU: on a 2-core Zen 4, whole forwards of the default model at 4 rows took 5.9 ms with L2 against 7.3 with L1
  * (two streams 64 tiles ahead into a 32 KB L1); 8 rows and more, bound by the arithmetic, alike. The loader times
@@ -835,7 +853,7 @@ static inline __attribute__((always_inline)) void pair(const uint8_t *w, const i
 }
 
 static void gemm_avx512(const uint8_t *w, int kind, const qrows *x, int64_t M, int64_t N, int64_t K, const dest *o) {
-    const int64_t groups = (N + 7) / 8, pairs = M >= PAIR_ROWS ? groups / 2 : 0, singles = groups - 2 * pairs;
+    const int64_t groups = (N + 7) / 8, pairs = M >= pair_from ? groups / 2 : 0, singles = groups - 2 * pairs;
     #pragma omp for schedule(static) nowait /* disjoint outputs from the pairs' */
     for (int64_t p = pairs; p < pairs + singles; p++) { /* few rows, or an odd last group: 8 lanes, one tile */
         group_of(w, kind, x, M, N, K, pairs ? 2 * p : p, o, 1);
@@ -1327,6 +1345,19 @@ int vs_set_prefetch(int level) {
     const int was = prefetch_level;
     prefetch_level = level;
     return was;
+}
+
+/* from how many rows on the AVX-512 body runs two tiles per vector (below: one tile, 8 lanes, up to 8 rows per pass);
+ * returns the setting before (rows < 1 reads it without a change). Only the speed changes, never a bit */
+int vs_set_pair_rows(int rows) {
+#ifdef VS_AVX512
+    const int was = pair_from;
+    if (rows >= 1) pair_from = rows;
+    return was;
+#else
+    (void)rows;
+    return -1;
+#endif
 }
 
 /* where the single-tile streams (fewer rows than a pair takes) are fetched ahead to (0 L1, 1 non-temporal);
