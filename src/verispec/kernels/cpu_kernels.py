@@ -43,7 +43,7 @@ class Library:
     bodies: tuple[str, ...] = ("portable",)  # the matmul bodies built in (BODIES' names)
     body: str = "portable"  # the one that runs (vs_set_body), the fastest measured at load
     choice: str = ""  # why: the timings that chose it
-    prefetch: str = "l1"  # where the AVX-512 body's pair streams are fetched ahead to, the fastest measured at load
+    prefetch: str = "l1"  # where the AVX-512 body's pair streams (5 rows on) are fetched ahead to, measured at load
     prefetch_choice: str = ""  # why (empty where the AVX-512 body does not run)
     row_prefetch: str = "l1"  # where the single-tile streams of fewer rows are fetched ahead to, measured at load
     row_prefetch_choice: str = ""  # why (empty where no vector body runs)
@@ -60,10 +60,11 @@ class Library:
         return BODIES[body]
 
     def describe(self) -> str:
-        prefetch = (f", from 4 rows on weights fetched ahead into {self.prefetch.upper()} ({self.prefetch_choice})"
+        pairs = self.lib.vs_set_pair_rows(0)  # reads the threshold (rows < 1 changes nothing)
+        prefetch = (f", from {pairs} rows on weights fetched ahead into {self.prefetch.upper()} ({self.prefetch_choice})"
                     if self.prefetch_choice else "")
         if self.row_prefetch_choice:
-            rows = "below 4 rows" if self.body == "avx512-vnni" else "weights fetched ahead"
+            rows = f"below {pairs} rows" if self.body == "avx512-vnni" else "weights fetched ahead"
             prefetch += (f", {rows} {'non-temporally' if self.row_prefetch == 'nta' else 'into L1'} "
                          f"({self.row_prefetch_choice})")
         return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}{prefetch}, "

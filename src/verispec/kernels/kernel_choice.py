@@ -4,7 +4,7 @@ choice is speed only, timed on this machine and said in every report (`Library.d
 
 - The body: the vector bodies built here timed on the default model's layer shapes at one and eight rows
   (`choose_body`, or `VERISPEC_CPU_BODY`).
-- The AVX-512 body's pair streams (4 rows and more): L1, L2 or non-temporally, whichever is faster on the linears
+- The AVX-512 body's pair streams (5 rows and more): L1, L2 or non-temporally, whichever is faster on the linears
   of one forward streamed from memory (`choose_prefetch`, or `VERISPEC_CPU_PREFETCH`).
 - The single-tile streams of fewer rows (both vector bodies): L1 or non-temporally, whichever makes a one-row
   forward and the small work a step does after it faster (`choose_row_prefetch`, or `VERISPEC_CPU_ROW_PREFETCH`).
@@ -30,7 +30,7 @@ from verispec.kernels.cpu import cpu_info, machine_busy
 from verispec.kernels.cpu_build import KINDS, KernelUnavailable, source_digest
 
 BODY_ENV = "VERISPEC_CPU_BODY"  # names the body to run instead of timing them
-# where the AVX-512 body's pair streams (4 rows and more) are fetched ahead to (vs_set_prefetch)
+# where the AVX-512 body's pair streams (5 rows and more) are fetched ahead to (vs_set_prefetch)
 PREFETCH_LEVELS = ("l1", "l2", "nta")
 PREFETCH_CODES = {"l1": 0, "l2": 1, "nta": 2}
 PREFETCH_ENV = "VERISPEC_CPU_PREFETCH"  # names the level instead of timing the levels
@@ -89,7 +89,7 @@ def choose_body(library: Any, repeats: int = 5) -> tuple[str, str]:
     return body, f"fastest measured: {timings} for the MLP linears at M = {'/'.join(map(str, BODY_ROWS))}"
 
 
-PREFETCH_ROWS = (4, 8)  # the rows the levels are timed at (the pair streams run from 4 rows on)
+PREFETCH_ROWS = (5, 8)  # the rows the levels are timed at (the pair streams run from 5 rows on: cpu.c's PAIR_ROWS)
 PREFETCH_MARGIN = 0.02  # L2 must be this much faster to replace L1, the first choice: noise does not flip it
 
 
@@ -159,7 +159,7 @@ def choose_prefetch(library: Any, repeats: int = 3, cache: Path | None = None,
     """(where the AVX-512 body's pair streams are fetched ahead to, the timings that say so); ("l1", "") where that
     body does not run. It depends on the CPU's caches and prefetchers and shows only on weights that stream from
     memory: so the levels (L1, L2, non-temporal) are timed on the linears of one forward of the default model
-    (`forward_weights`, 93 MiB) at 4 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.2 s).
+    (`forward_weights`, 93 MiB) at 5 and 8 rows, interleaved, the fastest of `repeats` rounds each (about 0.2 s).
     The choice is kept in `cache` per machine (CPU, threads, kernel source), as the path profile is, so later starts
     pay nothing; a busy machine's measurement is used but not kept. Each level gives the same bits.
     `VERISPEC_CPU_PREFETCH` (l1, l2, nta) names one instead. `weights`: makes `forward_weights` (shared at load
