@@ -25,11 +25,12 @@ from typing import Callable
 from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
-from verispec.engine.admission import RequestTooLong, admission_blocks, check_room, prefix_pending, step_blocks
+from verispec.engine.admission import RequestTooLong, admission_blocks, check_room, step_blocks
 from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine import constrain
 from verispec.engine.draft_timing import DraftTiming
+from verispec.engine.prefix import PrefixSharing
 from verispec.engine.plan import LiveRequest, StepPlan, TokenCallback, drafter_traits, model_side, plan_step
 from verispec.engine.scheduler import Candidate, Policy
 from verispec.engine.stops import Detokenize, StopMatcher
@@ -87,6 +88,7 @@ class Engine:
         self.eos_ids, self.config, self.rule, self.check_state = eos_ids, config, rule, check_state
         governor = ThreadGovernor(config.adaptive_threads) if config.adaptive_threads > 0 else None
         self.runner = ModelRunner(model, cache, drafters.feature_layers, governor)
+        self.prefix = PrefixSharing(cache, drafters.feature_layers)
         self.waiting: deque[tuple[Request, TokenCallback | None]] = deque()
         self.running: list[LiveRequest] = []
         self.counters = SpecCounters()
@@ -252,6 +254,7 @@ class Engine:
         for i, c in enumerate(plan.prefill, start=len(plan.decode)):
             lv = c.live
             self.cache.commit(lv.req.slot, c.length)  # type: ignore[arg-type]
+            self.prefix.keep(lv.req, out, i, c.length)
             lv.req.num_computed += c.length
             if needs_features(lv.drafter):
                 lv.drafter.add_features(out.features(i))  # type: ignore[union-attr]
@@ -309,6 +312,7 @@ class Engine:
             self.cache.commit(lv.req.slot, n)  # type: ignore[arg-type]
         else:
             self.cache.commit_rows(lv.req.slot, rows)  # type: ignore[arg-type]
+        self.prefix.keep(lv.req, out, block, n, rows)
         lv.req.num_computed += n
         if lv.proposed:  # even when none of the draft was verified
             lv.drafter.observe(verdict.accepted)  # type: ignore[union-attr]
@@ -337,8 +341,8 @@ class Engine:
             self._preempt(self.running[-1])
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req, cb = self.waiting[0]
-            hits = self._prefix_hits(req)
-            if self._prefix_pending(req, len(hits)):
+            hits = self.prefix.hits(req)
+            if self.prefix.pending(req, len(hits), self.running):
                 return  # a running request is computing blocks this one shares: wait until they are cached
             need = admission_blocks(req, self.cache, hits, self.config.num_speculative_tokens)
             if self.running and self._step_blocks() + need > self.cache.pool.num_free:
@@ -349,31 +353,18 @@ class Engine:
     def _step_blocks(self) -> int:
         return step_blocks(self.running, self.cache, self.config.max_num_batched_tokens, self._limit)
 
-    def _prefix_hits(self, req: Request) -> list[int]:
-        """Cached blocks of the request's prompt it need not prefill (none unless it `_shares_prefix`); never the
-        last token's block."""
-        return self.cache.match(req.prompt_ids, len(req.all_ids) - 1) if self._shares_prefix(req) else []
-
-    def _shares_prefix(self, req: Request) -> bool:
-        """The request takes part in prefix caching: not when a drafter reads the target's hidden state at every
-        prompt position (EAGLE-3, DFlash, DSpark) or the request records them."""
-        return self.cache.prefix_caching and not (self.drafters.feature_layers or req.params.return_hidden_states)
-
-    def _prefix_pending(self, req: Request, hit_blocks: int) -> bool:
-        return self._shares_prefix(req) and prefix_pending(req.prompt_ids[: len(req.all_ids) - 1], self.running,
-                                                           hit_blocks, self.cache.block_size)
-
     def _start(self, req: Request, cb: TokenCallback | None, hits: list[int]) -> None:
         """Give the request its sequence in the cache (starting past its prefix hits) and a new drafter; a
         preempted request gets its own engine state back (sampling generator, estimator, stop matcher)."""
         p = req.params
         req.spec.lossy = self.rule.lossy and not p.greedy
         drafter = None
-        queried = len(req.prompt_ids) if self._shares_prefix(req) else 0
+        queried = len(req.prompt_ids) if self.prefix.shares(req) else 0
         try:
             req.slot = self.cache.allocate(req.prompt_ids, hits, queried)
             req.num_computed = self.cache.length(req.slot)
             drafter = self.drafters.new(p, len(req.prompt_ids))
+            self.prefix.feed(drafter, req, hits)
         except BaseException:
             if req.slot is not None:
                 self.cache.free(req.slot)
@@ -439,6 +430,7 @@ class Engine:
         if lv.drafter is not None:
             lv.drafter.release(lv.req.all_ids)  # the whole stream: steps without a draft called no drafter
         if lv.req.slot is not None:
+            self.prefix.finish(lv.req)
             self.cache.free(lv.req.slot)
         self.num_finished += 1
 

@@ -14,8 +14,11 @@ is the blocks in use, not slots x max_len.
 Prefix caching: a sequence allocated with its prompt names each full, committed block of its prompt by a hash
 chain (state/block_pool.py); a later sequence whose prompt starts with the same blocks takes them (reference
 counted) and starts computing after them. Shared (hashed) blocks are never written again: a sequence's first
-non-shared position starts a fresh block. Counters: prefix_queries / prefix_hits in prompt tokens, since the cache
-was made (a reset of the prefix cache keeps them).
+non-shared position starts a fresh block. A finished sequence names its output's full blocks as well
+(`register_tokens`), so the next turn of a chat, whose prompt repeats the answer, finds them. Where an engine's
+drafter reads the target's hidden states, `features` (state/block_features.py) keeps them beside the K/V and a
+hit takes only blocks whose features are whole. Counters: prefix_queries / prefix_hits in prompt tokens, since the
+cache was made (a reset of the prefix cache keeps them).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Sequence
 import torch
 
 from verispec.config import DEFAULT_BLOCK_SIZE
+from verispec.state.block_features import BlockFeatures
 from verispec.state.block_pool import ROOT, BlockPool, BlocksExhausted, block_hash
 from verispec.state.kv_cache import CacheFullError, rows_move
 
@@ -63,17 +67,22 @@ class PagedKVCache:
         self.slots = [SeqState() for _ in range(num_slots)]
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
+        self.features: BlockFeatures | None = None  # drafter features beside the K/V (`write_features`)
 
     # ---- sequences --------------------------------------------------------------------------------------------
-    def match(self, prompt: Sequence[int], limit: int) -> list[int]:
-        """The cached blocks that hold the first full blocks of `prompt`, at most `limit` positions' worth."""
+    def match(self, prompt: Sequence[int], limit: int, layers: tuple[int, ...] | None = None) -> list[int]:
+        """The cached blocks that hold the first full blocks of `prompt`, at most `limit` positions' worth; with
+        `layers`, only as far as the blocks hold those layers' features whole."""
         B, parent, out = self.block_size, ROOT, []
         if not self.prefix_caching:
+            return out
+        feats = self.features if layers is not None else None
+        if layers is not None and (feats is None or feats.layers != layers):
             return out
         for i in range(min(limit, len(prompt)) // B):
             parent = block_hash(parent, prompt[i * B : (i + 1) * B])
             b = self.pool.lookup(parent, prompt[i * B : (i + 1) * B])
-            if b is None:
+            if b is None or (feats is not None and not feats.whole(b)):
                 break
             out.append(b)
         return out
@@ -99,6 +108,26 @@ class PagedKVCache:
         self.prefix_queries += queried
         self.prefix_hits += len(prefix) * B
         return i
+
+    def register_tokens(self, slot: int, tokens: Sequence[int]) -> None:
+        """Name the sequence's full, committed blocks by `tokens` (its prompt and output so far, which start with
+        the prompt it was allocated with), not only its prompt's: called as it finishes, before `free`."""
+        s = self.slots[slot]
+        if s.prompt and len(tokens) > len(s.prompt) and tuple(tokens[: len(s.prompt)]) == s.prompt:
+            s.prompt = tuple(tokens)
+            self._register(s)
+
+    def write_features(self, layers: tuple[int, ...], slot: int, start: int, feats: torch.Tensor) -> None:
+        """Keep feats [n, F], the captured states of target `layers` at committed positions start .. start+n-1
+        (a store of other layers is replaced: its blocks no longer serve a drafter)."""
+        if self.features is None or self.features.layers != layers:
+            self.features = BlockFeatures(self.pool.num_blocks, self.block_size, layers)
+        self.features.write(self._physical(self.slots[slot], start, feats.shape[0]), feats)
+
+    def read_features(self, slot: int, n: int) -> torch.Tensor:
+        """[n, F] the kept features of the sequence's positions 0 .. n-1 (shared blocks `match` found whole)."""
+        assert self.features is not None
+        return self.features.read(self._physical(self.slots[slot], 0, n))
 
     def free(self, slot: int) -> None:
         """Release the sequence's blocks (last block first, so the prefix cache evicts tails before heads)."""
@@ -145,6 +174,8 @@ class PagedKVCache:
         try:
             for _ in range(need):
                 s.blocks.append(self.pool.take(s.blocks[-1] if s.blocks else None))
+                if self.features is not None:
+                    self.features.fresh(s.blocks[-1])
         except BlocksExhausted as e:  # unreachable after the count above; keep the state whole anyway
             self._trim(s, s.length)
             raise OutOfBlocks(str(e)) from e
