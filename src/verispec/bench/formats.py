@@ -177,8 +177,10 @@ def part_b(args, out: dict) -> None:
             sp = speculative(args, llm)
             out["b"][f"{shape} {fmt}"] = {"path": llm.path_choice.path.name, "decode": dec, "verify_ms": curve,
                                           "speculative": sp}
+            gb = f.stat().st_size / 1e9  # what one decode step reads: every weight (the head included) once
+            read = " | ".join(f"{gb * statistics.median(dec[e]):.1f}" if dec[e] else "n/a" for e in ("llama", "ours"))
             rows.append(f"| {shape} | {fmt} | {llm.path_choice.path.name} | {spread(dec['llama'])} | "
-                        f"{spread(dec['ours'])} | {ratio_cell(dec)} |")
+                        f"{spread(dec['ours'])} | {ratio_cell(dec)} | {read} |")
             curves.append(f"| {shape} {fmt} | " + " | ".join(f"{curve[m]:.1f}" for m in range(1, 17)) + " |")
             r = [s / p for s, p in zip(sp["spec"], sp["plain"])]
             specs.append(f"| {shape} {fmt} | {spread(sp['plain'])} | {spread(sp['spec'])} | "
@@ -188,8 +190,10 @@ def part_b(args, out: dict) -> None:
                 print(line, file=sys.stderr, flush=True)
             del llm
             gc.collect()
-    print("| shape | file | verispec path | llama-bench decode tok/s | verispec decode tok/s | ratio |\n"
-          "|---|---|---|---|---|---|\n" + "\n".join(rows))
+    print("GB/s: the file's bytes x decode tok/s, the rate at which an engine streams the weights (a decode step reads "
+          "each once); where the two engines' rates meet the machine's memory bandwidth, neither can go faster\n")
+    print("| shape | file | verispec path | llama-bench decode tok/s | verispec decode tok/s | ratio | llama-bench GB/s "
+          "| verispec GB/s |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     print(f"\nverify curve: median ms of one forward of M tokens after {args.context} committed tokens\n")
     print("| file | " + " | ".join(f"M={m}" for m in range(1, 17)) + " |\n|---|" + "---|" * 16 + "\n" + "\n".join(curves))
     print(f"\nsynthetic acceptance at tau {args.tau}, k = {args.k} ({LABEL}); {args.spec_tokens} tokens after BOS; "
@@ -211,18 +215,39 @@ def part_c(args, out: dict) -> None:
     bound = size + m["kv_bytes"]
     out["c"] = {"file": str(f), "file_bytes": size, **m}
     print(f"\n## (c) peak RSS, {shape} Q4_K_M, {args.max_tokens} tokens decoded (path {m['path']})\n")
-    print("| peak RSS | file | KV cache | file + KV | RSS / (file + KV) |\n|---|---|---|---|---|")
+    grown = m["peak_rss"] - m["before_rss"]
+    print("| peak RSS | file | KV cache | file + KV | RSS / (file + KV) | RSS before the model | peak - before | "
+          "(peak - before) / (file + KV) |\n|---|---|---|---|---|---|---|---|")
     print(f"| {m['peak_rss'] / 2**30:.2f} GiB | {size / 2**30:.2f} GiB | {m['kv_bytes'] / 2**20:.0f} MiB | "
-          f"{bound / 2**30:.2f} GiB | x{m['peak_rss'] / bound:.2f} |")
+          f"{bound / 2**30:.2f} GiB | x{m['peak_rss'] / bound:.2f} | {m['before_rss'] / 2**20:.0f} MiB | "
+          f"{grown / 2**30:.2f} GiB | x{grown / bound:.2f} |")
+    print("\nRSS before the model: the interpreter with torch and verispec imported, nothing loaded; the model's "
+          "load adds its tiles, its tokenizer, the RoPE tables and the KV cache.")
 
 
 def rss_of(path: str, tokens: int, dtype: str) -> None:
-    """(a child process) load `path`, decode `tokens` tokens, print peak RSS and the KV cache's bytes as JSON."""
+    """(a child process) load `path`, decode `tokens` tokens, print peak RSS, RSS before loading and the KV cache's
+    bytes as JSON."""
+    before = peak_rss()
     llm = load(Path(path), dtype, max_len=256)
     generate_once(llm, tokens)
     kv = sum(t.nbytes for t in _tensors(llm.cache))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_rss": peak, "kv_bytes": kv, "path": llm.path_choice.path.name}))
+    peak = peak_rss()
+    print(json.dumps({"peak_rss": peak, "before_rss": before, "kv_bytes": kv, "path": llm.path_choice.path.name}))
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes: /proc's VmHWM, which belongs to the address space the process runs now.
+    Not getrusage's ru_maxrss: Linux carries that over an exec from the forked copy of the parent, so a child of
+    a large benchmark process reports the parent's size before it has loaded anything."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _tensors(obj, depth: int = 0):

@@ -1,7 +1,8 @@
 """The machine's CPU load while a benchmark ran: how much of the CPUs other processes took (and, on a virtual
 machine, the hypervisor: steal), so that a report says when its timings were disturbed instead of leaving it to
-the reader's luck. Read from /proc/stat (the machine's busy and steal ticks) and this process's own CPU time
-(`resource.getrusage`); elsewhere than Linux nothing is measured and the report says so.
+the reader's luck. Read from /proc/stat (the machine's busy and steal ticks) and the CPU time of this process and
+of the children it waited for (`resource.getrusage`: a peer's benchmark binary the run starts is part of the run,
+not a disturbance); elsewhere than Linux nothing is measured and the report says so.
 
 Two torch processes with OpenMP threads on the same cores do not just share them: threads spin at barriers while
 their partner is descheduled, and one decode step of the default model took 1.3 s instead of 12 ms beside a
@@ -20,8 +21,8 @@ BUSY_WARN = 0.10  # others' share of the CPUs above which a report warns
 
 @dataclass(frozen=True)
 class Ticks:
-    """Cumulative CPU seconds: the machine's busy (not idle / iowait) and steal time over all CPUs, this process's
-    user + system time (threads included), and the wall clock."""
+    """Cumulative CPU seconds: the machine's busy (not idle / iowait) and steal time over all CPUs, the user + system
+    time of this process (threads included) and of its finished children, and the wall clock."""
 
     busy: float
     steal: float
@@ -47,8 +48,9 @@ def read_ticks() -> Ticks | None:
             busy, steal = parse_proc_stat(f.read(), float(os.sysconf("SC_CLK_TCK")))
     except (OSError, ValueError):
         return None
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return Ticks(busy, steal, ru.ru_utime + ru.ru_stime, time.monotonic())
+    own = sum(ru.ru_utime + ru.ru_stime for ru in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                          resource.RUSAGE_CHILDREN)))
+    return Ticks(busy, steal, own, time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class LoadShare:
         """One line for a report's notes; `others_expected` names processes that belong to the run (a server)."""
         who = f"other processes{' (' + others_expected + ')' if others_expected else ''}"
         line = (f"machine load over the {self.seconds:.0f} s run: {who} used {self.others:.0%} of the {self.cpus} "
-                f"CPUs, this process {self.own:.0%}, steal (the hypervisor) {self.steal:.0%}")
+                f"CPUs, this process (and its children) {self.own:.0%}, steal (the hypervisor) {self.steal:.0%}")
         if self.disturbed and not others_expected:
             line += "; WARNING: others took over 10%: the timings are disturbed, rerun on a quiet machine"
         return line
