@@ -60,11 +60,15 @@ def run(args: argparse.Namespace) -> int:
         sets = load_spec_bench(args.questions, args.per_category, cats, max_tokens=args.max_tokens)
     else:
         sets = {args.questions: load_workload(args.questions, limit=args.per_category)}
-    base = LLM(args.model, dtype="auto", device="cpu", max_model_len=2048, max_num_seqs=args.max_num_seqs,
-               progress=False, enable_prefix_caching=True, scheduler=args.scheduler)
+    def new_llm():
+        return LLM(args.model, dtype="auto", device="cpu", max_model_len=2048, max_num_seqs=args.max_num_seqs,
+                   progress=False, enable_prefix_caching=True, scheduler=args.scheduler)
+
+    base = new_llm()
     arms = {"none": base.with_speculation(None)}
     for a in args.arms.split(","):
-        arms[a] = base.with_speculation(_arm_spec(a, args.k))
+        # --keep-prefix-cache: each arm its own KV cache, so what one arm cached never serves another
+        arms[a] = (new_llm() if args.keep_prefix_cache else base).with_speculation(_arm_spec(a, args.k))
         _ = arms[a].costs  # the start-up profile, before anything is timed
     print(base.path_choice.describe(), flush=True)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     for rep in range(args.repeats):
         for name, e in arms.items():
             e.drafters.reset_shared()
+            e.reset_prefix_cache()  # each repeat starts from an empty cache
             if "-nocache" in name and e.drafters.suffix_cache is not None:
                 from verispec.drafters.suffix import SuffixCache, SuffixConfig
 
@@ -85,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                 i += 1
                 got = {}
                 for name in order:
-                    base.reset_prefix_cache()  # the arms share the KV cache: each request prefills its whole prompt
+                    if not args.keep_prefix_cache:  # the arms share the KV cache: each request prefills its prompt
+                        base.reset_prefix_cache()
                     t0 = time.perf_counter()
                     o = arms[name].chat([list(p.messages)], sp, use_tqdm=False)[0]
                     got[name] = (o.token_ids, time.perf_counter() - t0, o.stats)
@@ -102,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nconditions: concurrency 1 (in process); metric: output tokens per second of one request, {clock}, "
           f"ratio to speculation off on the same question and repeat (geometric means); baseline: speculation off, "
           f"same target and weight path; {args.max_tokens} tokens, greedy, {args.repeats} repeat(s), "
-          f"max_num_seqs {args.max_num_seqs}, scheduler {args.scheduler}, k {args.k}\n{load.describe()}")
+          f"max_num_seqs {args.max_num_seqs}, scheduler {args.scheduler}, k {args.k}; prefix cache "
+          f"{'kept across requests (each arm its own)' if args.keep_prefix_cache else 'emptied before every request'}"
+          f"\n{load.describe()}")
     for name, rs in runs.items():
         cats, tasks = spec_bench_rows(rs)
         print(f"\n### {name} per category\n\n{markdown(cats, 'category')}\n\n### {name} per task\n\n"
@@ -125,6 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16, help="the server's default: 16")
     ap.add_argument("--scheduler", default="dspark")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="as a server runs: each arm its own KV cache, prefix caching kept across requests (emptied "
+                         "at each repeat); for multi-turn workloads such as agent_loop")
     args = ap.parse_args(argv)
     if args.clock == "cpu":  # before torch and the kernel start their thread pools
         os.environ["OMP_NUM_THREADS"] = "1"
