@@ -1,6 +1,6 @@
 """Structured outputs under speculation: the grammar's masks against an independent reference, bad grammars
-refused before decoding, greedy speculation token-identical to plain constrained decoding for every model-free and
-draft-model drafter and every scheduler (the state oracle on, the grammar matcher included), outputs valid by
+refused before decoding, greedy speculation token-identical to plain constrained decoding for every model-free,
+draft-model and learned drafter and every scheduler (the state oracle on, the grammar matcher included), outputs valid by
 `jsonschema`, forced tokens verified as drafts, and constrained sampling's exact distribution (chi-square against
 the per-step masked, renormalised target computed from HF transformers, with a negative control that must fail).
 """
@@ -117,6 +117,33 @@ def test_greedy_speculation_equals_plain_constrained(plain, draft_dir, spec, met
         _check_valid(spec, r)
     if "json" in spec or "regex" in spec:  # keys, punctuation, ", because ": forced tokens at least
         assert sum(o.stats["num_draft_tokens"] for o in got) > 0, "drafts must be verified"
+
+
+@pytest.fixture(scope="module")
+def learned_dirs(plain, tmp_path_factory):
+    """Random EAGLE-3, DFlash and DSpark drafters for the tiny target (tests/helpers.py's)."""
+    from tests.helpers import random_dspark, random_eagle3_head
+
+    root = tmp_path_factory.mktemp("learned")
+    random_eagle3_head(plain.model, root / "eagle3")
+    random_dspark(plain.model, root / "dspark")
+    random_dspark(plain.model, root / "dflash", dspark=False)
+    return root
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_learned_drafters_under_a_grammar_equal_plain_constrained(plain, learned_dirs, method):
+    """A drafter that reads the target's hidden states keeps them whole while the grammar cuts its drafts or
+    forced tokens replace them (the state oracle checks its features after every step); greedy output is plain
+    constrained decoding's, JSON and regex alike."""
+    fast = plain.with_speculation({"method": method, "model": str(learned_dirs / method), "num_speculative_tokens": 4,
+                                   "adaptive": False}, check_state=True)
+    for spec in SPECS[:2]:
+        ref = _run(plain, spec, PROMPTS)
+        got = _run(fast, spec, PROMPTS)
+        assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+        for r in ref:
+            _check_valid(spec, r)
 
 
 @pytest.mark.parametrize("scheduler", ["static", "goodput", "dspark"])

@@ -42,6 +42,11 @@ class BlockFeatures:
             span = len(self.written)
             self.rows = torch.empty(span, feats.shape[1], dtype=feats.dtype, device=feats.device)
         assert feats.shape == (len(positions), self.rows.shape[1]), "features of another width"
+        n, a = len(positions), positions[0] if positions else 0
+        if list(positions) == list(range(a, a + n)):  # one slice: a decode step's rows, a chunk in one block run
+            self.rows[a : a + n] = feats
+            self.written[a : a + n] = b"\x01" * n
+            return
         index = torch.tensor(list(positions), dtype=torch.long, device=self.rows.device)
         self.rows.index_copy_(0, index, feats.to(self.rows.dtype))
         for p in positions:
