@@ -430,10 +430,9 @@ class ResponseBuilder:
 
     def _choice(self, text: str, token_ids: list[int], finish: str | None, delta: bool,
                 stop_reason: str | None = None, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
-        if self.req.kind == "chat" and self.req.tools is not None:
-            key = "delta" if delta else "message"
-            val, finish = tools_.message(text, finish, delta)
-            choice = {"index": index, key: val, "logprobs": logprobs, "finish_reason": finish}
+        if self.req.kind == "chat" and self.req.tools is not None and not delta:  # streamed: tool_chunks
+            val, finish = tools_.message(text, finish)
+            choice = {"index": index, "message": val, "logprobs": logprobs, "finish_reason": finish}
         elif self.req.kind == "chat":
             key, val = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
             choice = {"index": index, key: val, "logprobs": logprobs, "finish_reason": finish}
@@ -480,16 +479,42 @@ class ResponseBuilder:
 
     def delta_chunk(self, text: str, token_ids: list[int], finish: str | None, stop_reason: str | None = None,
                     index: int = 0, logprobs: dict | None = None) -> str:
-        if self.req.kind == "chat" and self.req.tools is not None:  # tool calls: the whole text, parsed at the end
-            held = self.__dict__.setdefault("_held", {})
-            held[index] = held.get(index, "") + text
-            if finish is None:
-                return ""
-            text = held.pop(index)
+        if self.req.kind == "chat" and self.req.tools is not None:
+            return self.tool_chunks(text, token_ids, finish, stop_reason, index, logprobs)
         choice = self._choice(text, token_ids, finish, True, stop_reason, index, logprobs)
         if self.req.kind == "chat" and finish is not None and not text:
             choice["delta"] = {}
         return self._chunk([choice])
+
+    def tool_chunks(self, text: str, token_ids: list[int], finish: str | None, stop_reason: str | None = None,
+                    index: int = 0, logprobs: dict | None = None) -> str:
+        """A tools request's chunks for the next piece of text (tools.ToolCallStream, one per choice): content as
+        it comes, each call's header once its name is whole, then its arguments' JSON text; one chunk per delta.
+        This step's token ids and logprobs ride on its first chunk (an empty delta where the text was held back,
+        so that none are lost); the finish_reason comes alone in a last chunk with an empty delta."""
+        streams = self.__dict__.setdefault("_tool_streams", {})
+        parser = streams.setdefault(index, tools_.ToolCallStream())
+        deltas = parser.feed(text)
+        if finish is not None:
+            tail, finish = parser.finish(finish)
+            deltas += tail
+            del streams[index]
+        if not deltas and ((self.req.return_token_ids and token_ids) or logprobs):
+            deltas = [{}]
+        chunks = []
+        for k, delta in enumerate(deltas):
+            choice = {"index": index, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                      "finish_reason": None, "stop_reason": None}
+            if self.req.return_token_ids:
+                choice["token_ids"] = token_ids if k == 0 else []
+            chunks.append(self._chunk([choice]))
+        if finish is not None:
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": stop_reason}
+            if self.req.return_token_ids:
+                choice["token_ids"] = [] if deltas else token_ids
+            chunks.append(self._chunk([choice]))
+        return "".join(chunks)
 
     def usage_chunk(self, completion_tokens: int) -> str | None:
         if not self.req.include_usage:
