@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import jsonschema
 import pytest
 
 from tests.helpers import live, make_app
-from verispec.server.tools import CALL, END, START, ToolCallStream, ToolSpec, parse_output
+from verispec.server.tools import END, START, ToolCallStream, ToolSpec, parse_output
+
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # a block by its first end tag (the tests' own reading)
 
 # ---- replaying a text through the stream -------------------------------------------------------------------------
 
@@ -192,7 +195,7 @@ def test_random_outputs_in_random_pieces():
         text = random_output(rng)
         blocks = CALL.findall(text)
         if text.count(START) != len(blocks) or any(END in json.dumps(b) for b in blocks):
-            continue  # the words made a stray tag, or an end tag in a string (documented below)
+            continue  # the words made a stray tag, or an end tag in a string (CALL's count would be off)
         agrees(text, seed=n, every=False, randoms=6)
         n += 1
 
@@ -277,7 +280,7 @@ def test_malformed_blocks_are_dropped_even_without_a_call():
 
 def test_end_tag_inside_a_json_string_is_string_text():
     """The scanner reads strings, so "</tool_call>" in an argument does not end the block: the call is the block's
-    JSON (read here by json's own raw_decode). parse_output's pattern ends the block there (next test)."""
+    JSON (read here by json's own raw_decode), as parse_output reads it (next test)."""
     body = '{"name": "echo", "arguments": {"text": "say </tool_call> then {\\"x\\": 1}", "n": [1]}}'
     text = "Sure.\n" + block(body) + "\nDone."
     obj, _ = json.JSONDecoder().raw_decode(body)
@@ -286,9 +289,8 @@ def test_end_tag_inside_a_json_string_is_string_text():
         assert loaded(assemble(steps)) == ("Sure.\n\nDone.", [("echo", obj["arguments"])]) and reason == "tool_calls"
 
 
-@pytest.mark.xfail(strict=True, reason="parse_output ends a block at its first </tool_call>, even one inside a JSON "
-                                       "string, and drops the call; the stream reads the string")
 def test_end_tag_inside_a_json_string_agrees_with_parse_output():
+    """Both read a `</tool_call>` inside a JSON string as string text: the call is kept, whole."""
     agrees(block('{"name": "echo", "arguments": {"text": "</tool_call>"}}'), every=False, randoms=2)
 
 

@@ -25,7 +25,7 @@ from verispec.sampling.grammar import JSON_OPTIONS, StructuredOutputsParams
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+START, END = "<tool_call>", "</tool_call>"
 HERMES = ("You may call functions. Their signatures: <tools>{tools}</tools> To call one, answer with\n"
           "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-object>}}\n</tool_call>")
 
@@ -112,23 +112,55 @@ def grammar(spec: ToolSpec) -> StructuredOutputsParams | None:
                                            '"\\n</tool_call>"')
 
 
+def _is_call(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("name"), str)
+
+
+def _blocks(text: str) -> list[tuple[int, int, Any]]:
+    """(start, end, call object or None) of each `<tool_call>` block in order. A block whose text is one JSON
+    object with a string name followed by the end tag ends there, so a `</tool_call>` inside a JSON string is string
+    text (as ToolCallStream reads it); any other block ends at its first end tag, its value None (malformed, as the
+    stream drops it); an unclosed one is no block."""
+    out, pos, dec = [], 0, json.JSONDecoder()
+    while (i := text.find(START, pos)) >= 0:
+        j = i + len(START)
+        while j < len(text) and text[j].isspace():
+            j += 1
+        try:
+            value, k = dec.raw_decode(text, j)
+        except ValueError:
+            value, k = None, j
+        while k < len(text) and text[k].isspace():
+            k += 1
+        if _is_call(value) and text.startswith(END, k):
+            end = k + len(END)
+        else:
+            e = text.find(END, i)
+            if e < 0:
+                break
+            value, end = None, e + len(END)
+        out.append((i, end, value))
+        pos = end
+    return out
+
+
 def parse_output(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a finished output: each well-formed `<tool_call>` block (a JSON object with a
-    string name) becomes an OpenAI tool call; the text outside them is the content (None when empty)."""
-    calls = []
-    for m in CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    string name) becomes an OpenAI tool call; the text outside the blocks is the content (None when empty)."""
+    calls, blocks = [], _blocks(text)
+    for _, _, obj in blocks:
+        if obj is None:
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     if not calls:
         return text, []
-    content = CALL.sub("", text).strip()
+    kept, pos = [], 0
+    for start, end, _ in blocks:
+        kept.append(text[pos:start])
+        pos = end
+    content = ("".join(kept) + text[pos:]).strip()
     return content or None, calls
 
 
@@ -142,7 +174,6 @@ def message(text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
             "tool_calls" if finish == "stop" else finish)
 
 
-START, END = "<tool_call>", "</tool_call>"
 JSON_SPACE = " \t\n\r"
 JSON_CHARS = frozenset(JSON_SPACE + '{}[],:"-+.0123456789eEtrufalsn')  # every character JSON has outside strings
 SCALAR = frozenset("-+.0123456789eEtrufalsn")  # those of numbers, true, false and null
@@ -174,7 +205,7 @@ class ToolCallStream:
 
     Malformed blocks are dropped from the stream: a block that is not a JSON object, whose "name" is not a string,
     or that closes without one, sends nothing (arguments before the name were only held) and ends at its first
-    `</tool_call>`, as parse_output's pattern ends it. parse_output drops such blocks too where the output has a
+    `</tool_call>`, as parse_output ends it. parse_output drops such blocks too where the output has a
     tool call; where it has none it returns the whole text as content, which a stream cannot know in time. A
     fault that shows only after the header went out cannot be taken back: that call's arguments stop before it,
     and the block ends at its first `</tool_call>`. The text of a block unfinished at the end (finish_reason
@@ -286,7 +317,7 @@ class ToolCallStream:
                     if "arguments" not in self._held:
                         self._args(self._held.get("parameters") or "{}")
                     self._raw = ""  # a whole call: its end tag is the first after the object
-                self._state = "skip"  # else the first after `<tool_call>`, as parse_output's pattern finds it
+                self._state = "skip"  # else the first after `<tool_call>`, as parse_output finds it
                 return True
         self._raw += buf
         self._buf = ""
@@ -323,7 +354,7 @@ class ToolCallStream:
                     return "fault"
                 self._state = "colon"
             return None
-        if ch in JSON_SPACE or (state == "open" and ch.isspace()):  # parse_output's pattern takes any \s first
+        if ch in JSON_SPACE or (state == "open" and ch.isspace()):  # parse_output takes any whitespace first
             return None
         if state == "open" and ch == "{":
             self._state = "key"
