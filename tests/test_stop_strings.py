@@ -19,7 +19,7 @@ import torch
 from tests.helpers import live, make_app
 from verispec import LLM, SamplingParams
 from verispec.engine.stops import StopMatcher, first_stop, partial_stop_len
-from verispec.server.protocol import IncrementalText
+from verispec.server.responses import IncrementalText
 
 SENTENCE = "The quick brown fox jumps over a lazy dog, café! 🦊\n"  # 16 distinct tokens; the fox is 3 byte tokens
 MAX_TOKENS = 40

@@ -316,7 +316,8 @@ def test_a_fault_after_the_header_stops_that_calls_arguments():
 
 def test_response_builder_streams_one_chunk_per_delta_and_keeps_token_ids():
     from verispec.sampling import SamplingParams
-    from verispec.server.protocol import ParsedRequest, ResponseBuilder
+    from verispec.server.protocol import ParsedRequest
+    from verispec.server.responses import ResponseBuilder
 
     spec = ToolSpec(({"type": "function", "function": {"name": "get_weather", "parameters": {}}},), "auto")
     req = ParsedRequest("chat", [1, 2], SamplingParams(), True, False, True, tools=spec)

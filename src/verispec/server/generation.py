@@ -24,8 +24,8 @@ from verispec.server.limits import (DEFAULT_BODY_TIMEOUT, ClientGone, check_cont
                                     check_prompt_bytes, check_prompt_tokens, prompt_byte_limit, read_body)
 from verispec.server.logprobs import LogprobsFormatter, token_text
 from verispec.server.metrics import RequestRecord, ServerMetrics
-from verispec.server.protocol import (SSE_DONE, APIError, IncrementalText, ParsedRequest, ResponseBuilder,
-                                      ServedModel, bad_request, parse_json, sse)
+from verispec.server.protocol import APIError, ParsedRequest, ServedModel, bad_request, parse_json
+from verispec.server.responses import SSE_DONE, IncrementalText, ResponseBuilder, sse
 
 if TYPE_CHECKING:
     from verispec.api import LLM
