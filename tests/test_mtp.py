@@ -373,3 +373,22 @@ def test_doctor_runs_the_mtp_chain_and_names_a_broken_layout(tmp_path):
     broken = next(c for c in report.checks if not c.ok)
     assert broken.name == "drafter architecture" and "mixture-of-experts" in broken.reason
     assert report.skipped == STAGES[2:]
+
+
+def test_prefix_hits_hand_the_mtp_head_the_kept_hidden_states(target):
+    """Prefix caching with an MTP head: a second turn whose prompt repeats the first turn's prompt and answer hits
+    their blocks, and the head, given the kept last-layer states of the hit positions, passes the state oracle at
+    every step (its own K/V recomputed from scratch); greedy output is HF's."""
+    llm = LLM(str(target["root"]), dtype="float32", max_model_len=128, max_num_seqs=2, progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False},
+              check_state=True, scheduler="static", enable_prefix_caching=True, block_size=4)
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(0, V, (13,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a1 = llm.generate({"prompt_token_ids": first}, greedy, use_tqdm=False)[0].token_ids
+    second = first + a1 + [1, 2, 3]
+    a2 = llm.generate({"prompt_token_ids": second}, greedy, use_tqdm=False)[0]
+    assert a1 == hf_greedy(target["hf"], first, 12)
+    assert a2.token_ids == hf_greedy(target["hf"], second, 12)
+    assert llm.cache.prefix_hits == (len(first) + len(a1) - 1) // 4 * 4
+    assert a2.stats["num_draft_tokens"] > 0
