@@ -215,6 +215,37 @@ def test_agent_bad_calls():
         assert g.score == 0.0 and not g.passed
 
 
+
+def _tool_call(name: str, args) -> dict:
+    """An OpenAI tool call as LLM.chat(tools=...) and the server return it (arguments as JSON text)."""
+    return {"id": "call_0", "type": "function",
+            "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+def test_agent_grades_returned_tool_calls():
+    valid = agent.grade(AGENT_CHECK, "", [_tool_call("get_weather", {"city": "paris", "unit": "celsius"})])
+    assert valid.passed and valid.score == 1.0 and valid.details["source"] == "tool_calls"
+    # the tool calls are graded, not the text (which here holds a wrong call)
+    over = agent.grade(AGENT_CHECK, '{"name": "send_email", "arguments": {}}', [_tool_call("get_weather",
+                                                                                           {"city": "Paris"})])
+    assert over.passed and over.score == 1.0
+    wrong_tool = agent.grade(AGENT_CHECK, "", [_tool_call("send_email", {"to": "a@b.c", "subject": "Paris"})])
+    assert wrong_tool.score == 0.25 and not wrong_tool.passed and wrong_tool.details["right_tool"] is False
+    bad_args = agent.grade(AGENT_CHECK, "", [_tool_call("get_weather", {"city": 75, "unit": "kelvin"})])
+    assert bad_args.score == 0.5 and not bad_args.passed and len(bad_args.details["schema_errors"]) == 2
+    not_json = agent.grade(AGENT_CHECK, "", [_tool_call("get_weather", "{city: Paris")])
+    assert not_json.details["schema_errors"] == ["arguments are not an object"] and not not_json.passed
+    invented = agent.grade(AGENT_CHECK, "", [_tool_call("get_weather", {"city": "Paris"}), _tool_call("x", {})])
+    assert invented.score == 0.0 and invented.details["invented"] == ["x"]
+    # no tool calls: the text, as before
+    for calls in (None, []):
+        g = agent.grade(AGENT_CHECK, '{"name": "get_weather", "arguments": {"city": "Paris"}}', calls)
+        assert g.passed and g.details["source"] == "text"
+    # through the domain dispatch, as the runner calls it
+    item = _item("agent", AGENT_CHECK)
+    assert grade(item, "no call here", [_tool_call("get_weather", {"city": "Paris"})]).passed
+    assert not grade(item, "no call here").passed
+
 def _fill(schema: dict, expected: dict) -> dict:
     """A call's arguments: the expected values plus a valid placeholder for every other required property."""
     args = dict(expected)

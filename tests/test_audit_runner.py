@@ -286,6 +286,65 @@ def test_endpoint_side_against_a_live_server(tiny_dir: Path) -> None:
     assert s["exact_match_pct"] == 100.0 and s["delta"] == 0.0, s
 
 
+
+AGENT = AuditItem(id="agent-t", domain="agent", messages=({"role": "user", "content": "Weather in Oslo?"},),
+                  max_tokens=24, check={"tools": [{"name": "get_weather", "parameters": {
+                      "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                      "required": ["city"]}}], "expected_tool": "get_weather", "expected_args": {"city": "Oslo"}})
+
+
+def test_agent_items_send_real_tools() -> None:
+    from verispec.audit.runner import _parse_choice
+
+    ep = EndpointSide(EndpointSpec(url="http://x/v1", model="m"))
+    agent_job, plain_job = (Job(it, 0.0, 0, 1, 8) for it in (AGENT, items(1)[0]))
+    body = ep.body(agent_job)
+    assert body["tool_choice"] == "auto" and body["tools"] == [
+        {"type": "function", "function": AGENT.check["tools"][0]}]
+    assert "tools" not in ep.body(plain_job)
+    ep.tools = False  # after a 400 naming them: the free-text path
+    assert "tools" not in ep.body(agent_job)
+
+    class Response:
+        text = ""
+
+        def __init__(self, body):
+            self.body = body
+
+        def json(self):
+            return self.body
+
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    g = _parse_choice(Response({"choices": [{"message": {"content": None, "tool_calls": [call]},
+                                             "finish_reason": "tool_calls"}]}))
+    assert g.text == "" and g.tool_calls == [call]
+    # the shipped grader scores the returned calls
+    side = FakeSide(lambda j: "")
+    side.generate = lambda jobs, progress, desc: [Generation("", None, "tool_calls", tool_calls=[call]) for _ in jobs]
+    recs = run_audit([AGENT], side, side, [0.0], progress=False)
+    assert all(r["passed"] and r["tool_calls"] == [call] and r["grade"]["source"] == "tool_calls" for r in recs)
+
+
+def test_engine_and_endpoint_run_agent_items_with_tools(tiny_dir: Path, plain_llm) -> None:
+    from verispec import SamplingParams
+    from verispec.audit.runner import item_tools
+
+    app, _ = make_app(tiny_dir)
+    (plain,) = build_sides(parse_spec("plain,dtype=float32"), parse_spec("plain,dtype=float32"), str(tiny_dir),
+                           max_num_seqs=4, progress=False)[:1]
+    want = plain_llm.chat(list(AGENT.messages), SamplingParams(temperature=0, max_tokens=24), use_tqdm=False,
+                          tools=item_tools(AGENT))[0]
+    assert "get_weather" in want.prompt and isinstance(want.tool_calls, list)
+    with live(app) as url:
+        ep = EndpointSide(parse_spec(f"url={url}/v1"), concurrency=2)
+        recs = run_audit([AGENT], ep, plain, [0.0], progress=False)
+    assert ep.tools  # the server took them
+    ref, cand = (next(r for r in recs if r["side"] == s) for s in ("reference", "candidate"))
+    assert ref["error"] is None and cand["error"] is None
+    # in process: the prompt and output of LLM.chat(tools=...); the endpoint: the same tokens
+    assert ref["token_ids"] == want.token_ids == cand["token_ids"] and ref["text"] == want.text
+    assert [c["function"] for c in ref["tool_calls"] or []] == [c["function"] for c in want.tool_calls]
+
 def test_cli_end_to_end(tiny_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     import verispec.audit.graders as graders
     from verispec.cli import main

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence, Union
 
 import torch
@@ -34,6 +34,10 @@ from verispec.models.loader import (ResolvedModel, gguf_has_int4_linears, load_m
                                     resolve)
 from verispec.state.paged_kv import PagedKVCache
 from verispec.state.request import Request
+from verispec.tools import ToolSpec, tool_spec
+from verispec.tools import grammar as tool_grammar
+from verispec.tools import parse_output as parse_tool_output
+from verispec.tools import render as render_tools
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,9 @@ class RequestOutput:
     # with SamplingParams(return_hidden_states=layers): {layer: [len(prompt) + len(output) - 1, d]}, the model's
     # dtype: the target's state entering each layer at every fed position, as the forwards computed it
     hidden_states: dict[int, torch.Tensor] | None = None
+    # LLM.chat with tools: the OpenAI tool calls parsed from `text` (verispec/tools.py), [] where it has none;
+    # None without tools
+    tool_calls: list[dict[str, Any]] | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -414,18 +421,52 @@ class LLM:
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         on_tokens: TokenCallback | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = "auto",
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation or a list of them through the chat template. With `tools` (OpenAI's
+        `[{"type": "function", "function": {name, description, parameters}}]`) the prompt is rendered and the
+        output parsed as the server does (verispec/tools.py): `tool_choice` "auto" leaves the model free, "required"
+        or `{"type": "function", "function": {"name": ...}}` constrains the output to tool calls whose arguments
+        follow the parameter schema (one, or several with parallel_tool_calls), "none" renders no tools. Each
+        output's `tool_calls` is then the list of OpenAI tool calls parsed from its text (`text` stays the raw
+        output); without tools it is None. Bad tools or choices raise ValueError naming the argument."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt": self.apply_chat_template(c)} for c in conversations]  # type: ignore[arg-type]
+        spec = tool_spec(tools, tool_choice, parallel_tool_calls)
+        if spec is not None:
+            sampling_params = self._with_tool_grammar(sampling_params, spec)
+        prompts = [self.apply_chat_template(c) if spec is None else render_tools(self, c, spec)
+                   for c in conversations]  # type: ignore[arg-type]
         # the chat template already holds the special tokens
-        encoded = [
-            {"prompt": p["prompt"], "prompt_token_ids": self.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]}
-            for p in prompts
-        ]
-        return self.generate(encoded, sampling_params, use_tqdm, on_tokens)
+        encoded = [{"prompt": p, "prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]}
+                   for p in prompts]
+        outputs = self.generate(encoded, sampling_params, use_tqdm, on_tokens)
+        if tools is not None:
+            for out in outputs:
+                out.tool_calls = parse_tool_output(out.text)[1] if spec is not None else []
+        return outputs
+
+    def _with_tool_grammar(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                           spec: ToolSpec) -> SamplingParams | list[SamplingParams] | None:
+        """`required` / a named function: each request's params with the tool-call grammar (ValueError where they
+        already hold structured outputs, or a function's parameters do not compile)."""
+        g = tool_grammar(spec)
+        if g is None:
+            return sampling_params
+        try:
+            self.processors.compiler.compile(g)
+        except ValueError as e:
+            raise ValueError(f"'tools': a function's parameters could not be compiled: {e}") from None
+        many = isinstance(sampling_params, (list, tuple))
+        params = list(sampling_params) if many else [sampling_params or SamplingParams()]  # type: ignore[list-item]
+        if any(p.structured_outputs is not None for p in params):
+            raise ValueError("'tool_choice' required or a named function cannot go with structured_outputs")
+        params = [replace(p, structured_outputs=g) for p in params]
+        return params if many else params[0]
 
     def _state_check(self, req: Request, drafter) -> None:
         """The state oracle (check_state=True), after every step: the target's KV, then the drafter's own state

@@ -2,7 +2,10 @@
 
 A side is our engine in process (`EngineSide`: chat template -> prompt ids -> `LLM.generate`, batched) or an
 OpenAI-compatible endpoint (`EndpointSide`: /v1/chat/completions with seed, temperature and max_tokens, a bounded
-number of requests in flight). A job is one item at one temperature with one sample index; its seed is derived
+number of requests in flight). An item whose check has "tools" (the agent domain) is run with them as real tools,
+tool_choice "auto": in process rendered and parsed as `LLM.chat(..., tools=...)` does (verispec/tools.py), over an
+endpoint in the request body (dropped for the rest of the run where the endpoint answers 400 naming them); its
+record keeps the parsed `tool_calls`, which the agent grader grades where there are any. A job is one item at one temperature with one sample index; its seed is derived
 from the item id and the sample, so both sides (and a rerun) get the same one. At temperature 0 one sample is
 taken (greedy decoding is deterministic); `samples` applies to temperatures above 0.
 """
@@ -20,7 +23,7 @@ from tqdm.auto import tqdm
 from verispec.audit.items import AuditItem
 from verispec.audit.spec import AUDIT_MAX_NUM_SEQS, EndpointSpec, EngineSpec, Spec
 
-Grader = Callable[[AuditItem, str], Any]  # -> Grade(score, passed, details)
+Grader = Callable[..., Any]  # (item, text[, tool_calls]) -> Grade(score, passed, details)
 SIDES = ("reference", "candidate")
 # per-request engine counters kept in each in-process record's "engine" field (the sweep sums them)
 ENGINE_COUNTERS = ("steps", "num_draft_tokens", "num_accepted_tokens", "num_relaxed_accepted_tokens", "tv_positions",
@@ -44,6 +47,15 @@ class Generation:
     prompt_ids: list[int] | None = None
     error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool calls, where the item was run with tools
+
+
+def item_tools(item: AuditItem) -> list[dict[str, Any]] | None:
+    """An item's tools as OpenAI's request gives them, where its check has "tools" (the agent domain's
+    `{"name", "description", "parameters"}` each); else None."""
+    check = item.check if isinstance(item.check, dict) else {}
+    tools = check.get("tools")
+    return [{"type": "function", "function": dict(t)} for t in tools] if isinstance(tools, list) and tools else None
 
 
 class Side(Protocol):
@@ -85,11 +97,17 @@ class EngineSide:
         return f"{self.spec.describe()} (path {self.llm.path_choice.path.name})"
 
     def prompt_ids(self, item: AuditItem) -> list[int]:
-        text = self.llm.apply_chat_template(list(item.messages))
+        """The chat prompt's ids; an item with tools rendered with them as LLM.chat renders them (tool_choice auto)."""
+        from verispec.tools import render, tool_spec
+
+        spec = tool_spec(item_tools(item))
+        messages = list(item.messages)
+        text = self.llm.apply_chat_template(messages) if spec is None else render(self.llm, messages, spec)
         return list(self.llm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def generate(self, jobs: Sequence[Job], progress: bool, desc: str) -> list[Generation]:
         from verispec import SamplingParams
+        from verispec.tools import parse_output
 
         ids = {}
         for j in jobs:
@@ -107,7 +125,8 @@ class EngineSide:
                 s = r.stats
                 out.append(Generation(r.text, list(r.token_ids), r.finish_reason, ids[j.item.id], stats={
                     "tau": s.get("mean_acceptance_length"), "lossy": s.get("lossy"), "path": s.get("path"),
-                    **{k: s.get(k) for k in ENGINE_COUNTERS}}))
+                    **{k: s.get(k) for k in ENGINE_COUNTERS}},
+                    tool_calls=parse_output(r.text)[1] if item_tools(j.item) else None))
             bar.update(len(chunk))
         bar.close()
         return out
@@ -150,6 +169,7 @@ class EndpointSide:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.spec, self.concurrency, self.timeout, self.retries = spec, concurrency, timeout, retries
         self.token_ids = True  # dropped after the first 400 that names it
+        self.tools = True  # items' tools sent; dropped after the first 400 that names them (free text then)
         self.model = spec.model
 
     def describe(self) -> str:
@@ -197,6 +217,9 @@ class EndpointSide:
              "temperature": job.temperature, "seed": job.seed, "stream": False}
         if self.token_ids:
             b["return_token_ids"] = True
+        tools = item_tools(job.item) if self.tools else None
+        if tools:
+            b["tools"], b["tool_choice"] = tools, "auto"
         return b
 
     async def _request(self, http: Any, job: Job) -> Generation:
@@ -212,6 +235,9 @@ class EndpointSide:
                 continue
             if r.status_code == 400 and self.token_ids and "return_token_ids" in r.text:
                 self.token_ids = False
+                r = await http.post("/v1/chat/completions", json=self.body(job))
+            if r.status_code == 400 and self.tools and item_tools(job.item) and "tool" in r.text:
+                self.tools = False
                 r = await http.post("/v1/chat/completions", json=self.body(job))
             if r.status_code in (401, 403, 404):
                 raise ValueError(f"{self.spec.url}: /v1/chat/completions answered HTTP {r.status_code}: "
@@ -231,13 +257,15 @@ def _parse_choice(r: Any) -> Generation:
         body = r.json()
         ch = body["choices"][0]
         text = (ch.get("message") or {}).get("content") or ""
+        calls = (ch.get("message") or {}).get("tool_calls")
     except (ValueError, KeyError, IndexError, TypeError) as e:
         return Generation("", None, error=f"malformed response ({type(e).__name__}): {r.text[:200]}")
     ids = ch.get("token_ids")
     ids = [int(t) for t in ids] if isinstance(ids, list) else None
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
     n = usage.get("completion_tokens")  # output tokens where the server gives no token ids (the sweep's tok/s)
-    return Generation(text, ids, ch.get("finish_reason"), stats={"completion_tokens": n} if isinstance(n, int) else {})
+    return Generation(text, ids, ch.get("finish_reason"), stats={"completion_tokens": n} if isinstance(n, int) else {},
+                      tool_calls=calls if isinstance(calls, list) and calls else None)
 
 
 def build_sides(candidate: Spec, reference: Spec, model: str, device: str | None = None,
@@ -262,7 +290,7 @@ def _graded(grader: Grader, item: AuditItem, g: Generation) -> tuple[float, bool
     if g.error is not None:
         return 0.0, False, {}, g.error
     try:
-        gr = grader(item, g.text)
+        gr = grader(item, g.text, g.tool_calls) if g.tool_calls else grader(item, g.text)
     except Exception as e:  # noqa: BLE001 - a broken check must not lose the generations; the pair is left out
         return 0.0, False, {}, f"grader: {type(e).__name__}: {e}"
     return float(gr.score), bool(gr.passed), dict(gr.details), None
@@ -273,7 +301,7 @@ def record(side: str, job: Job, g: Generation, grader: Grader, describe: str) ->
     return {
         "item_id": job.item.id, "domain": job.item.domain, "side": side, "spec": describe,
         "temperature": job.temperature, "sample": job.sample, "seed": job.seed, "max_tokens": job.max_tokens,
-        "text": g.text, "token_ids": g.token_ids,
+        "text": g.text, "token_ids": g.token_ids, "tool_calls": g.tool_calls,
         "output_tokens": len(g.token_ids) if g.token_ids is not None else None, "finish_reason": g.finish_reason,
         "score": score, "passed": passed, "grade": details, "error": error,
         "tau": g.stats.get("tau"), "lossy": g.stats.get("lossy"), "margin": None, "near_tie": None,

@@ -36,6 +36,10 @@ def validate_item(item: AuditItem) -> None:
         raise ValueError(f"audit item {item.id!r}: {e}") from None
 
 
-def grade(item: AuditItem, output: str) -> Grade:
-    """Grade one output for one item with its domain's grader."""
-    return _module(item.domain).grade(dict(item.check), output if isinstance(output, str) else str(output))
+def grade(item: AuditItem, output: str, tool_calls: list[dict[str, Any]] | None = None) -> Grade:
+    """Grade one output for one item with its domain's grader; `tool_calls` (OpenAI's, from a side that ran the item
+    with tools) go to the agent grader, which grades them instead of the text where there are any."""
+    text = output if isinstance(output, str) else str(output)
+    if tool_calls:
+        return _module(item.domain).grade(dict(item.check), text, tool_calls)
+    return _module(item.domain).grade(dict(item.check), text)

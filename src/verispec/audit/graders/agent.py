@@ -12,6 +12,10 @@ tool that is not in ``tools`` anywhere in the output (an invented tool) scores 0
 the prompt (arguments that are a JSON schema) is not a call. Otherwise the first call is graded: score = mean of
 four parts: a call parsed, the right tool, its arguments valid against that tool's schema (jsonschema), and the
 fraction of ``expected_args`` met (the last two count only for the right tool). passed = all four in full.
+
+Where the item was run with real tools (``tools=`` on LLM.chat or the endpoint's request) and the response carries
+OpenAI ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments": JSON text}}]``), those calls are
+graded the same way instead of the text; without tool calls the text is graded as above.
 """
 
 from __future__ import annotations
@@ -104,17 +108,22 @@ def _same(want: Any, got: Any) -> bool:
     return want == got
 
 
-def grade(check: dict[str, Any], output: str) -> Grade:
+def grade(check: dict[str, Any], output: str, tool_calls: list[dict[str, Any]] | None = None) -> Grade:
+    """The output's first tool call graded: from `tool_calls` (OpenAI's, parsed by the side that ran the item with
+    tools) where there are any, else the first JSON call in the text."""
     from jsonschema import Draft202012Validator
 
     validate(check)
     tools = {t["name"]: t for t in check["tools"]}
-    calls = [c for c in map(as_call, _json_objects(output)) if c is not None]
+    source = "tool_calls" if tool_calls else "text"
+    found = [c for c in tool_calls or () if isinstance(c, dict)] if tool_calls else _json_objects(output)
+    calls = [c for c in map(as_call, found) if c is not None]
     if not calls:
-        return Grade(0.0, False, {"error": "no JSON tool call found"})
+        return Grade(0.0, False, {"error": "no JSON tool call found", "source": source})
     invented = sorted({n for n, _ in calls if n not in tools})
     if invented:
-        return Grade(0.0, False, {"error": "invented tool(s)", "invented": invented, "called": calls[0][0]})
+        return Grade(0.0, False, {"error": "invented tool(s)", "invented": invented, "called": calls[0][0],
+                                  "source": source})
     name, args = calls[0]
     right = name == check["expected_tool"]
     errors = ["arguments are not an object"] if not isinstance(args, dict) else [
@@ -126,5 +135,6 @@ def grade(check: dict[str, Any], output: str) -> Grade:
     values = (1.0 - len(wrong) / len(exp)) if exp else 1.0
     values = values if right else 0.0
     score = (1.0 + right + (not errors and right) + values) / 4.0
-    details = {"called": name, "right_tool": right, "schema_errors": errors[:5], "wrong_values": wrong}
+    details = {"called": name, "right_tool": right, "schema_errors": errors[:5], "wrong_values": wrong,
+               "source": source}
     return Grade(score, bool(right and not errors and not wrong), details)
