@@ -188,6 +188,27 @@ def test_embedding_rows_are_ggufs_dequantisation(files, tmp_path, tied) -> None:
         emb(torch.tensor([v]))
 
 
+def test_kept_rows_are_the_dequantised_rows_through_eviction(files, monkeypatch) -> None:
+    """Decode-sized lookups go through the kept rows: with room for only 3 rows, a random walk of repeated and new
+    ids (singly and a few at once, duplicates included) still returns gguf's dequantisation of every row."""
+    import verispec.models.gguf_embedding as ge
+
+    path = files["mixed-tied"]
+    reader = GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    v, d = int(t.shape[1]), int(t.shape[0])
+    want = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType.Q6_K).reshape(v, d))
+    monkeypatch.setattr(ge, "CACHE_BYTES", 3 * d * 4)
+    emb = GGUFEmbedding.from_file(path, int(t.data_offset), "Q6_K", v, d, np.asarray(t.data).reshape(v, -1).shape[1],
+                                  torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        ids = torch.randint(0, 8, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        assert torch.equal(emb(ids), want[ids]), ids.tolist()
+    assert len(emb._kept) <= 3
+    assert torch.equal(emb(torch.arange(40)), want[:40])  # past CACHED_LOOKUP: straight through
+
+
 @needs_kernel
 def test_a_file_it_cannot_cover_loads_densely_and_says_so(files, tmp_path, capsys) -> None:
     """A config that does not match the file's shapes (a lie in config.json): the light load declines, the dense

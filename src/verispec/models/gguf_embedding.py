@@ -7,7 +7,11 @@ Where the rows come from:
   bytes nothing else holds;
 - `from_file`: read from the GGUF file at each lookup (one `os.pread` per row; the page cache, not the process,
   keeps them): a head tied to the embedding already holds these rows, repacked for its kernel, so a second full
-  copy in memory is avoided. The file's size and modification time are checked at each lookup.
+  copy in memory is avoided. The file's size and modification time are checked at each read.
+
+A decode step looks up one token, and gguf's dequantisation of one row costs 60-90 us in numpy's machinery (more
+than the row's arithmetic): the rows of small lookups are kept, least recently used first out, in CACHE_BYTES of
+the model's dtype. They are the same values a fresh dequantisation gives, so the cache changes no output.
 
 `dense()` builds the whole [V, d] table in the model's dtype, for the drafters that read the target's embedding
 as a tensor (models/llama.py builds it on first access to `LlamaModel.embed`).
@@ -16,6 +20,7 @@ as a tensor (models/llama.py builds it on first access to `LlamaModel.embed`).
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +30,8 @@ from gguf.quants import dequantize
 from torch import nn
 
 CHUNK_ROWS = 4096  # rows dequantised per step of `dense()`: bounds its float32 scratch
+CACHE_BYTES = 8 * 2**20  # dequantised rows kept for small lookups (decode steps)
+CACHED_LOOKUP = 16  # lookups of at most this many ids go through the cache; prefill chunks do not
 
 
 class GGUFEmbedding(nn.Module):
@@ -50,6 +57,8 @@ class GGUFEmbedding(nn.Module):
             st = path.stat()
             self.raw = None
             self.file = (path, int(file[1]), st.st_size, st.st_mtime_ns)  # type: ignore[index]
+        self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # token id -> [d] row in dtype, LRU order
+        self._keep = max(1, CACHE_BYTES // (dim * torch.empty(0, dtype=dtype).element_size()))
 
     @classmethod
     def held(cls, raw: np.ndarray, kind: str, dim: int, dtype: torch.dtype) -> GGUFEmbedding:
@@ -95,8 +104,31 @@ class GGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [N] token ids -> [N, d] in the model's dtype."""
         flat = ids.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
-        out = torch.from_numpy(self.dequantize_rows(flat)).to(self.dtype)
+        if flat.size > CACHED_LOOKUP:
+            out = torch.from_numpy(self.dequantize_rows(flat)).to(self.dtype)
+        else:
+            out = self._cached(flat)
         return out.view(*ids.shape, self.dim)
+
+    def _cached(self, flat: np.ndarray) -> torch.Tensor:
+        """[N, d] rows of a small lookup through the kept rows (the missing ones dequantised together)."""
+        kept = self._kept
+        miss = sorted({int(t) for t in flat if int(t) not in kept})
+        if miss:
+            fresh = torch.from_numpy(self.dequantize_rows(np.array(miss, np.int64))).to(self.dtype)
+            for t, row in zip(miss, fresh):
+                kept[t] = row.clone()
+            while len(kept) > self._keep:
+                kept.popitem(last=False)
+        rows = []
+        for t in flat:
+            row = kept.get(int(t))
+            if row is None:  # evicted by this very lookup (a cache smaller than it): dequantise alone
+                row = torch.from_numpy(self.dequantize_rows(np.array([int(t)], np.int64))[0]).to(self.dtype)
+            else:
+                kept.move_to_end(int(t))
+            rows.append(row)
+        return torch.stack(rows)
 
     def dense(self) -> torch.Tensor:
         """The whole table [V, d] in the model's dtype (what a dense loader holds)."""
