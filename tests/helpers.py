@@ -271,3 +271,15 @@ def counting_tokenizer(llm) -> list[int]:
 
     llm.tokenizer = Counting()
     return calls
+
+
+# two tools and a question for the tool-calling tests over HTTP
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 16},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"], "additionalProperties": False,
+                                       "properties": {"zone": {"type": "string", "maxLength": 8}}}}}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.helpers import live, make_app
+from tests.helpers import ASK, TIME, WEATHER, live, make_app
 from verispec import LLM, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -110,15 +110,6 @@ def test_bad_requests_are_400s_naming_the_field_while_another_decodes(served, ex
         assert other.result().usage.completion_tokens == 30, "the request beside it is unharmed"
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 16},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "required": ["zone"], "additionalProperties": False,
-                                       "properties": {"zone": {"type": "string", "maxLength": 8}}}}}
-ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
 def _check_calls(calls, tools):

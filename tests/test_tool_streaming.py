@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.helpers import live, make_app
+from tests.helpers import ASK, TIME, WEATHER, live, make_app
 from verispec.server.tools import END, START, ToolCallStream, ToolSpec, parse_output
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # a block by its first end tag (the tests' own reading)
@@ -342,15 +342,6 @@ def test_response_builder_streams_one_chunk_per_delta_and_keeps_token_ids():
 
 # ---- end to end: the openai client and the live test server ---------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 16},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "required": ["zone"], "additionalProperties": False,
-                                       "properties": {"zone": {"type": "string", "maxLength": 8}}}}}
-ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
