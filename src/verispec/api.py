@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 import torch
@@ -34,10 +34,10 @@ from verispec.models.loader import (ResolvedModel, gguf_has_int4_linears, load_m
                                     resolve)
 from verispec.state.paged_kv import PagedKVCache
 from verispec.state.request import Request
-from verispec.tools import ToolSpec, tool_spec
-from verispec.tools import grammar as tool_grammar
+from verispec.tools import constrain as constrain_tools
 from verispec.tools import parse_output as parse_tool_output
 from verispec.tools import render as render_tools
+from verispec.tools import tool_spec, value_error
 
 log = logging.getLogger(__name__)
 
@@ -437,8 +437,11 @@ class LLM:
         output); without tools it is None. Bad tools or choices raise ValueError naming the argument."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         spec = tool_spec(tools, tool_choice, parallel_tool_calls)
-        if spec is not None:
-            sampling_params = self._with_tool_grammar(sampling_params, spec)
+        if spec is not None:  # `required` / a named function: the tool-call grammar in each request's params
+            many = isinstance(sampling_params, (list, tuple))
+            given = list(sampling_params) if many else [sampling_params or SamplingParams()]  # type: ignore[list-item]
+            params = constrain_tools(given, spec, self.processors.compiler.compile, value_error)
+            sampling_params = params if many else params[0]
         prompts = [self.apply_chat_template(c) if spec is None else render_tools(self, c, spec)
                    for c in conversations]  # type: ignore[arg-type]
         # the chat template already holds the special tokens
@@ -449,24 +452,6 @@ class LLM:
             for out in outputs:
                 out.tool_calls = parse_tool_output(out.text)[1] if spec is not None else []
         return outputs
-
-    def _with_tool_grammar(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                           spec: ToolSpec) -> SamplingParams | list[SamplingParams] | None:
-        """`required` / a named function: each request's params with the tool-call grammar (ValueError where they
-        already hold structured outputs, or a function's parameters do not compile)."""
-        g = tool_grammar(spec)
-        if g is None:
-            return sampling_params
-        try:
-            self.processors.compiler.compile(g)
-        except ValueError as e:
-            raise ValueError(f"'tools': a function's parameters could not be compiled: {e}") from None
-        many = isinstance(sampling_params, (list, tuple))
-        params = list(sampling_params) if many else [sampling_params or SamplingParams()]  # type: ignore[list-item]
-        if any(p.structured_outputs is not None for p in params):
-            raise ValueError("'tool_choice' required or a named function cannot go with structured_outputs")
-        params = [replace(p, structured_outputs=g) for p in params]
-        return params if many else params[0]
 
     def _state_check(self, req: Request, drafter) -> None:
         """The state oracle (check_state=True), after every step: the target's KV, then the drafter's own state

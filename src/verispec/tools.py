@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 from verispec.engine.stops import partial_stop_len
+from verispec.sampling import SamplingParams
 from verispec.sampling.grammar import JSON_OPTIONS, StructuredOutputsParams
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -80,9 +81,14 @@ def check_tools(tools: Any, choice: Any, par: Any, bad: Callable[..., Exception]
     return ToolSpec(tuple(tools), choice, par)
 
 
+def value_error(message: str, _argument: str) -> ValueError:
+    """The Python API's error for a bad argument (its message names it)."""
+    return ValueError(message)
+
+
 def tool_spec(tools: Any, tool_choice: Any = "auto", parallel_tool_calls: Any = True) -> ToolSpec | None:
     """The Python API's tools (`LLM.chat`): as check_tools, errors as ValueError naming the argument."""
-    return check_tools(tools, tool_choice, parallel_tool_calls, lambda message, _argument: ValueError(message))
+    return check_tools(tools, tool_choice, parallel_tool_calls, value_error)
 
 
 def render(llm: Any, messages: list[dict[str, str]], spec: ToolSpec) -> str:
@@ -117,6 +123,24 @@ def grammar(spec: ToolSpec) -> StructuredOutputsParams | None:
     start = 'start: call ("\\n" call)*' if spec.parallel else "start: call"
     return StructuredOutputsParams(grammar=f'{start}\ncall: "<tool_call>\\n" %json {json.dumps(schema)} '
                                            '"\\n</tool_call>"')
+
+
+def constrain(params: Sequence[SamplingParams], spec: ToolSpec, compile: Callable[[StructuredOutputsParams], Any],
+              bad: Callable[..., Exception]) -> list[SamplingParams]:
+    """Each request's params with the tool-call grammar where the choice is `required` or a named function (as
+    they are for `auto`), the grammar compiled once first; errors `bad(message, argument)`: other structured
+    outputs beside it, or a function's parameters that do not compile."""
+    g = grammar(spec)
+    if g is None:
+        return list(params)
+    if any(p.structured_outputs is not None for p in params):
+        raise bad("'tool_choice' required or a named function cannot go with 'response_format' or "
+                  "'structured_outputs'.", "tool_choice")
+    try:
+        compile(g)
+    except ValueError as e:
+        raise bad(f"'tools': a function's parameters could not be compiled: {e}", "tools") from None
+    return [replace(p, structured_outputs=g) for p in params]
 
 
 def _is_call(value: Any) -> bool:

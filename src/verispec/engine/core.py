@@ -282,7 +282,7 @@ class Engine:
         constrain.commit(lv, kept)
         record_logprobs(lv.req, out, block, kept, rows)  # only when the request asked for logprobs
         if lv.stops is not None and kept:
-            kept = self._stop_strings(lv, kept)
+            kept = lv.stops.apply(lv.req, kept)
         if not first:  # the first step finishes the prefill; it is not a decode step
             self._account(lv, verdict, timing, verify_s=t_state - t_verify, state_s=time.perf_counter() - t_state)
         if lv.on_tokens is not None and kept:
@@ -290,18 +290,6 @@ class Engine:
         if self.check_state is not None and not lv.req.finished:
             self.check_state(lv.req, lv.drafter)
             constrain.check_state(lv, self.processors)
-
-    def _stop_strings(self, lv: LiveRequest, kept: list[int]) -> list[int]:
-        """A stop string in the text, possibly ending inside this step's accepted block: the output ends with the
-        token that completes it (usage counts up to there), its text at the stop. Returns the tokens kept now."""
-        r = lv.req
-        m = lv.stops.update(r.output_ids, len(kept))  # type: ignore[union-attr]
-        if m is None:
-            return kept
-        dropped = r.truncate_output(m.keep_tokens)
-        r.finish_reason, r.stop_reason, r.stop_text = "stop", m.stop, m.text
-        r.stats.stop_trimmed_tokens += len(dropped)
-        return kept[: len(kept) - len(dropped)]
 
     def _commit(self, lv: LiveRequest, verdict: Verdict, out: BatchOutput, block: int,
                 rows: list[int] | None = None) -> None:

@@ -10,7 +10,10 @@ much of a streamed text's tail must wait because it could still become a stop st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from verispec.state.request import Request
 
 Detokenize = Callable[[list[int]], str]
 
@@ -81,6 +84,18 @@ class StopMatcher:
         end = pos + len(stop)
         keep = self._tokens_through(ids, end, len(ids) - num_new)
         return StopMatch(keep, text[:end] if self.include else text[:pos], stop)
+
+    def apply(self, req: "Request", kept: list[int]) -> list[int]:
+        """After `kept` tokens were appended to the request's output: a stop string in the text, possibly ending
+        inside this step's accepted block, ends the output with the token that completes it (usage counts up to
+        there) and its text at the stop. Returns the tokens kept now."""
+        m = self.update(req.output_ids, len(kept))
+        if m is None:
+            return kept
+        dropped = req.truncate_output(m.keep_tokens)
+        req.finish_reason, req.stop_reason, req.stop_text = "stop", m.stop, m.text
+        req.stats.stop_trimmed_tokens += len(dropped)
+        return kept[: len(kept) - len(dropped)]
 
     def _tokens_through(self, ids: list[int], end: int, before: int) -> int:
         """The fewest tokens (more than `before`, the ones already checked) whose text holds text[:end]."""

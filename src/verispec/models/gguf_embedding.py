@@ -58,7 +58,7 @@ class GGUFEmbedding(nn.Module):
             self.raw = None
             self.file = (path, int(file[1]), st.st_size, st.st_mtime_ns)  # type: ignore[index]
         self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # token id -> [d] row in dtype, LRU order
-        self._keep = max(1, CACHE_BYTES // (dim * torch.empty(0, dtype=dtype).element_size()))
+        self._keep = max(1, CACHE_BYTES // (dim * dtype.itemsize))
 
     @classmethod
     def held(cls, raw: np.ndarray, kind: str, dim: int, dtype: torch.dtype) -> GGUFEmbedding:
@@ -112,23 +112,18 @@ class GGUFEmbedding(nn.Module):
 
     def _cached(self, flat: np.ndarray) -> torch.Tensor:
         """[N, d] rows of a small lookup through the kept rows (the missing ones dequantised together)."""
-        kept = self._kept
-        miss = sorted({int(t) for t in flat if int(t) not in kept})
+        kept, ids = self._kept, flat.tolist()
+        got = {t: kept[t] for t in ids if t in kept}
+        for t in got:
+            kept.move_to_end(t)
+        miss = sorted(set(ids) - got.keys())
         if miss:
             fresh = torch.from_numpy(self.dequantize_rows(np.array(miss, np.int64))).to(self.dtype)
             for t, row in zip(miss, fresh):
-                kept[t] = row.clone()
+                got[t] = kept[t] = row.clone()
             while len(kept) > self._keep:
                 kept.popitem(last=False)
-        rows = []
-        for t in flat:
-            row = kept.get(int(t))
-            if row is None:  # evicted by this very lookup (a cache smaller than it): dequantise alone
-                row = torch.from_numpy(self.dequantize_rows(np.array([int(t)], np.int64))[0]).to(self.dtype)
-            else:
-                kept.move_to_end(int(t))
-            rows.append(row)
-        return torch.stack(rows)
+        return torch.stack([got[t] for t in ids])
 
     def dense(self) -> torch.Tensor:
         """The whole table [V, d] in the model's dtype (what a dense loader holds)."""

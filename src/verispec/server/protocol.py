@@ -19,6 +19,7 @@ from verispec.server.bounds import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_T
 from verispec.server.logprobs import parse_logprobs
 from verispec.server.structured import KEYS as STRUCTURED_KEYS
 from verispec.server.structured import parse_controls
+from verispec import tools as tool_calling
 from verispec.server import tools as tools_
 
 if TYPE_CHECKING:
@@ -354,7 +355,7 @@ def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
     messages = [_message(m, i) for i, m in enumerate(msgs)]
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     try:
-        text = llm.apply_chat_template(messages) if spec is None else tools_.render(llm, messages, spec)
+        text = llm.apply_chat_template(messages) if spec is None else tool_calling.render(llm, messages, spec)
     except ValueError as e:
         raise bad_request(f"{e}.", "messages") from None
     except Exception as e:  # a template may raise on unusual role orders
@@ -369,17 +370,7 @@ def parse_chat(body: dict, llm: LLM, served: ServedModel) -> ParsedRequest:
 
 def _with_tools(parsed: ParsedRequest, spec: Any, llm: LLM) -> ParsedRequest:
     """A tools request: `required` / a named function constrain the output to tool calls (server/tools.py)."""
-    g = tools_.grammar(spec)
-    params = parsed.params
-    if g is not None:
-        if params.structured_outputs is not None:
-            raise bad_request("'tool_choice' required or a named function cannot go with 'response_format' or "
-                              "'structured_outputs'.", "tool_choice")
-        try:
-            llm.processors.compiler.compile(g)
-        except ValueError as e:
-            raise bad_request(f"'tools': a function's parameters could not be compiled: {e}", "tools") from None
-        params = replace(params, structured_outputs=g)
+    [params] = tool_calling.constrain([parsed.params], spec, llm.processors.compiler.compile, bad_request)
     return replace(parsed, params=params, tools=spec)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 from verispec.engine.stops import partial_stop_len
 from verispec.server import tools as tools_
+from verispec.tools import ToolCallStream
 from verispec.server.protocol import ParsedRequest
 
 
@@ -102,7 +103,7 @@ class ResponseBuilder:
         This step's token ids and logprobs ride on its first chunk (an empty delta where the text was held back,
         so that none are lost); the finish_reason comes alone in a last chunk with an empty delta."""
         streams = self.__dict__.setdefault("_tool_streams", {})
-        parser = streams.setdefault(index, tools_.ToolCallStream())
+        parser = streams.setdefault(index, ToolCallStream())
         deltas = parser.feed(text)
         if finish is not None:
             tail, finish = parser.finish(finish)

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verispec.tools import (END, HERMES, MAX_TOOLS, NAME, START, ToolCallStream, ToolSpec, check_tools, grammar,
-                            parse_output, render)
-
-__all__ = ["END", "HERMES", "KEYS", "MAX_TOOLS", "NAME", "START", "ToolCallStream", "ToolSpec", "grammar", "message",
-           "parse_output", "parse_tools", "render"]
+from verispec.tools import ToolSpec, check_tools, parse_output
 
 
 def parse_tools(body: dict, bad: Callable[..., Exception]) -> ToolSpec | None:

@@ -56,6 +56,3 @@ class BlockFeatures:
         """[n, F] a copy of the features at the physical `positions` (all in whole blocks)."""
         assert self.rows is not None and all(self.whole(p // self.block_size) for p in positions)
         return self.rows[torch.tensor(list(positions), dtype=torch.long, device=self.rows.device)]
-
-    def nbytes(self) -> int:
-        return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()

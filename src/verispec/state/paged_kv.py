@@ -76,9 +76,9 @@ class PagedKVCache:
         B, parent, out = self.block_size, ROOT, []
         if not self.prefix_caching:
             return out
-        feats = self.features if layers is not None else None
+        feats = self.features if layers is not None else None  # where set, hits stop at a block not whole in it
         if layers is not None and (feats is None or feats.layers != layers):
-            return out
+            return out  # nothing kept for these layers
         for i in range(min(limit, len(prompt)) // B):
             parent = block_hash(parent, prompt[i * B : (i + 1) * B])
             b = self.pool.lookup(parent, prompt[i * B : (i + 1) * B])
