@@ -41,7 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("execution",),  # the batched forward, verification arithmetic, hidden-state recording, weight paths
     ("drafters",),
     ("engine",),  # scheduling (costs, scheduler: no tensors), the step loop, profiling the step costs
-    ("api", "tools", "verispec"),  # the Python API; tool calling (prompt, grammar, parser), shared with the server
+    ("api", "outputs", "tools", "verispec"),  # the Python API and its outputs; tool calling (prompt, grammar,
+    # parser), shared with the server
     ("server", "bench", "train", "doctor"),
     ("audit", "demo"),
     ("cli", "__main__"),

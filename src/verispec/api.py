@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 import torch
@@ -22,7 +21,7 @@ from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.invariance import linears_row_invariant
 from verispec.execution.hidden_states import hidden_states
-from verispec.sampling.logprobs import Logprob, vllm_logprobs
+from verispec.sampling.logprobs import vllm_logprobs
 from verispec.engine.profile import profile_costs, profile_step_costs
 from verispec.sampling import SamplingParams
 from verispec.sampling.processor import ProcessorFactory
@@ -33,6 +32,7 @@ from verispec.models.hub import DEFAULT_MODEL
 from verispec.models.loader import (ResolvedModel, gguf_has_int4_linears, load_model, load_tokenizer, read_config,
                                     resolve)
 from verispec.state.paged_kv import PagedKVCache
+from verispec.outputs import RequestOutput
 from verispec.state.request import Request
 from verispec.tools import constrain as constrain_tools
 from verispec.tools import parse_output as parse_tool_output
@@ -43,42 +43,6 @@ log = logging.getLogger(__name__)
 
 Prompt = Union[str, dict[str, Any], Sequence[int]]
 Message = dict[str, str]
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | None = None  # the stop string that ended the text (vLLM's name)
-    logprobs: list[dict[int, Logprob]] | None = None  # per token: {sampled id and top-N ids: Logprob}
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stats: dict[str, Any] = field(default_factory=dict)
-    stop_reason: str | None = None  # the stop string that ended the text (cut before it unless include_stop_str...)
-    # with SamplingParams(logprobs=N): per output token {sampled id, then the top-N ids: Logprob(logprob, rank,
-    # decoded_token)}, vLLM's layout; logprobs are the log_softmax of the raw logits (vLLM's raw_logprobs)
-    logprobs: list[dict[int, Logprob]] | None = None
-    # with SamplingParams(return_hidden_states=layers): {layer: [len(prompt) + len(output) - 1, d]}, the model's
-    # dtype: the target's state entering each layer at every fed position, as the forwards computed it
-    hidden_states: dict[int, torch.Tensor] | None = None
-    # LLM.chat with tools: the OpenAI tool calls parsed from `text` (verispec/tools.py), [] where it has none;
-    # None without tools
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        """vLLM's layout: one completion per request."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)]
 
 
 def default_device() -> str:
