@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("execution",),  # the batched forward, verification arithmetic, hidden-state recording, weight paths
     ("drafters",),
     ("engine",),  # scheduling (costs, scheduler: no tensors), the step loop, profiling the step costs
-    ("api", "outputs", "tools", "verispec"),  # the Python API and its outputs; tool calling (prompt, grammar,
+    ("api", "outputs", "tools", "tool_stream", "verispec"),  # the Python API and its outputs; tool calling (prompt, grammar,
     # parser), shared with the server
     ("server", "bench", "train", "doctor"),
     ("audit", "demo"),

@@ -18,7 +18,8 @@ import jsonschema
 import pytest
 
 from tests.helpers import ASK, TIME, WEATHER, live, make_app
-from verispec.tools import END, START, ToolCallStream, ToolSpec, parse_output
+from verispec.tool_stream import ToolCallStream
+from verispec.tools import END, START, ToolSpec, parse_output
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # a block by its first end tag (the tests' own reading)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from verispec.engine.stops import partial_stop_len
 from verispec.server import tools as tools_
-from verispec.tools import ToolCallStream
+from verispec.tool_stream import ToolCallStream
 from verispec.server.protocol import ParsedRequest
 
 
@@ -98,7 +98,7 @@ class ResponseBuilder:
 
     def tool_chunks(self, text: str, token_ids: list[int], finish: str | None, stop_reason: str | None = None,
                     index: int = 0, logprobs: dict | None = None) -> str:
-        """A tools request's chunks for the next piece of text (tools.ToolCallStream, one per choice): content as
+        """A tools request's chunks for the next piece of text (tool_stream.ToolCallStream, one per choice): content as
         it comes, each call's header once its name is whole, then its arguments' JSON text; one chunk per delta.
         This step's token ids and logprobs ride on its first chunk (an empty delta where the text was held back,
         so that none are lost); the finish_reason comes alone in a last chunk with an empty delta."""
