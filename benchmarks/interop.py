@@ -39,8 +39,10 @@ from pathlib import Path
 
 from verispec import LLM, SamplingParams
 from verispec.bench.promscrape import parse_spec_metrics
+from verispec.bench.replay import engine_counts
 from verispec.bench.workloads import WORKLOADS, load_workload
 from verispec.train.cli import add_train_parser, cmd_train
+from verispec.execution.features import capture_forward, select
 from verispec.models.loader import hf_directory
 
 DRAFTERS = {  # name -> (shipped checkpoint, export command, llama-server --spec-type, vLLM method)
@@ -172,10 +174,14 @@ def verispec_checkpoint(name: str, work: Path) -> Path:
     return dst
 
 
-def run_verispec(base: LLM, method: str, ckpt: Path, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
+def speculative(base: LLM, method: str, ckpt: Path, k: int) -> LLM:
     e = base.with_speculation({"method": method, "model": str(ckpt), "num_speculative_tokens": k,
                                "adaptive": False})
     e.scheduler = "static"
+    return e
+
+
+def run_verispec(e: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     e.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
     c = e.engine.counters
@@ -192,6 +198,23 @@ def run_verispec(base: LLM, method: str, ckpt: Path, k: int, prompts: list[list[
     n = sum(len(o) for o in outs)
     return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
             "tok_s": n / secs, "outputs": outs, "per_prompt": per}
+
+
+def replayed(e: LLM, prompts: list[list[int]], outputs: list[list[int]], k: int) -> dict:
+    """verispec's drafter (the engine's own module) replayed over recorded greedy texts: at every step it drafts K
+    from the recorded context, fed the features of verispec's target along that text (one forward over prompt and
+    text), and the engine's greedy rule accepts the drafts that match the text. On another engine's texts this scores our drafter on exactly the text that engine's drafter was scored on, so where the
+    two targets' greedy texts part, the comparison still holds the text fixed. Steps begin after the prefill's
+    token and drafts stop at the output's end, as both engines'; tau = 1 + accepted / drafts, as they count it."""
+    layers = e.drafters.feature_layers
+    drafts = accepted = 0
+    for ids, out in zip(prompts, outputs):
+        if not out:
+            continue
+        feats = select(capture_forward(e.model, ids + out, layers).hidden, layers)
+        d, a = engine_counts(e.drafters.new(SamplingParams(temperature=0), len(ids)), ids, out, k, feats)
+        drafts, accepted = drafts + d, accepted + a
+    return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted}
 
 
 def tau_on_same_texts(ours: dict, theirs: dict) -> str:
@@ -284,10 +307,12 @@ def main() -> None:
         row: dict = {"drafter": name, "commands": []}
         out, line = export(name, work / f"{name}-export", args.model)
         row["commands"].append(line)
-        ours = run_verispec(base, name, verispec_checkpoint(name, work), args.k, prompts, args.max_tokens)
+        e = speculative(base, name, verispec_checkpoint(name, work), args.k)
+        ours = run_verispec(e, prompts, args.max_tokens)
         row["verispec"] = {k: v for k, v in ours.items() if k != "outputs"}
-        print(f"{name}: verispec tau {ours['tau']:.3f} ({ours['drafts']} drafts), {ours['tok_s']:.1f} tok/s",
-              flush=True)
+        row["verispec"]["tau_replayed"] = replayed(e, prompts, ours["outputs"], args.k)["tau"]
+        print(f"{name}: verispec tau {ours['tau']:.3f} ({ours['drafts']} drafts), {ours['tok_s']:.1f} tok/s; "
+              f"replayed on its own texts {row['verispec']['tau_replayed']:.3f}", flush=True)
         gguf = None
         if peers["llama.cpp converter"]:
             gguf, line, err = convert(args.llama_cpp, args.converter_python, out, target_dir, work / f"{name}.gguf")
@@ -302,8 +327,10 @@ def main() -> None:
                 row["llama.cpp"] = {k: v for k, v in got.items() if k != "outputs"}
                 row["llama.cpp"]["same_text"] = same_text(got["outputs"], ours["outputs"])
                 row["llama.cpp"]["tau_same_texts"] = tau_on_same_texts(ours, got)
+                row["llama.cpp"]["ours_on_its_texts"] = replayed(e, prompts, got["outputs"], args.k)["tau"]
                 print(f"{name}: llama-server tau {got['tau']:.3f} ({got['drafts']:.0f} drafts), "
-                      f"{got['tok_s']:.1f} tok/s, same text {row['llama.cpp']['same_text']}", flush=True)
+                      f"{got['tok_s']:.1f} tok/s, same text {row['llama.cpp']['same_text']}; verispec's drafter "
+                      f"replayed on llama-server's texts {row['llama.cpp']['ours_on_its_texts']:.3f}", flush=True)
             except (RuntimeError, OSError) as e:
                 row["llama.cpp"] = {"error": str(e)}
                 print(f"{name}: llama-server failed: {e}", flush=True)
@@ -329,15 +356,20 @@ def cell(r: dict | None, key: str, fmt: str) -> str:
 
 
 def print_table(rows: list[dict], args, has_vllm: bool) -> None:
-    print("\n| drafter | K | tau verispec | tau llama-server | llama/verispec | tau vLLM | same text (llama) "
-          "| tau on the same texts (verispec / llama) | converts | tok/s verispec (its path) | tok/s llama-server (Q4_1) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| drafter | K | tau verispec | tau llama-server | llama/verispec | verispec replayed on llama's texts "
+          "| llama / replayed | tau vLLM | same text (llama) | tau on the same texts (verispec / llama) | converts "
+          "| tok/s verispec (its path) | tok/s llama-server (Q4_1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         v, lc, vl = r["verispec"], r.get("llama.cpp"), r.get("vllm")
-        ratio = (f"{lc['tau'] / v['tau']:.3f}" if lc and "tau" in lc else "-")
-        print(f"| {r['drafter']} | {args.k} | {v['tau']:.3f} | {cell(lc, 'tau', '.3f')} | {ratio} | "
-              f"{cell(vl, 'tau', '.3f') if has_vllm else 'vLLM missing'} | {lc.get('same_text', '-') if lc else '-'} "
-              f"| {lc.get('tau_same_texts', '-') if lc else '-'} | {r.get('converts', 'not run')} | {v['tok_s']:.1f} | {cell(lc, 'tok_s', '.1f')} |")
+        ok = lc is not None and "tau" in lc
+        ratio = f"{lc['tau'] / v['tau']:.3f}" if ok else "-"
+        rep = f"{lc['ours_on_its_texts']:.3f}" if ok else "-"
+        rep_ratio = f"{lc['tau'] / lc['ours_on_its_texts']:.3f}" if ok else "-"
+        print(f"| {r['drafter']} | {args.k} | {v['tau']:.3f} | {cell(lc, 'tau', '.3f')} | {ratio} | {rep} | "
+              f"{rep_ratio} | {cell(vl, 'tau', '.3f') if has_vllm else 'vLLM missing'} | "
+              f"{lc.get('same_text', '-') if lc else '-'} | {lc.get('tau_same_texts', '-') if lc else '-'} | "
+              f"{r.get('converts', 'not run')} | {v['tok_s']:.1f} | {cell(lc, 'tok_s', '.1f')} |")
     print("\ncommands:")
     for r in rows:
         for c in r["commands"]:
