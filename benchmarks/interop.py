@@ -233,24 +233,35 @@ def tau_on_same_texts(ours: dict, theirs: dict) -> str:
 
 VLLM_DRIVER = """
 import json, sys, time
-from vllm import LLM, SamplingParams
-a = json.load(sys.stdin)
-llm = LLM(model=a["target"], speculative_config={"method": a["method"], "model": a["draft"],
-          "num_speculative_tokens": a["k"]}, max_model_len=4096, disable_log_stats=False, seed=0)
-params = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"])
-llm.generate([{"prompt_token_ids": a["prompts"][0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-def counts():
-    c = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    return c.get("vllm:spec_decode_num_drafts", 0), c.get("vllm:spec_decode_num_accepted_tokens", 0)
-d0, a0 = counts()
-outs, secs = [], 0.0
-for ids in a["prompts"]:
-    t0 = time.perf_counter()
-    o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    secs += time.perf_counter() - t0
-    outs.append(list(o.outputs[0].token_ids))
-d1, a1 = counts()
-print("VLLM-RESULT " + json.dumps({"drafts": d1 - d0, "accepted": a1 - a0, "secs": secs, "outputs": outs}))
+
+
+def main():
+    from vllm import LLM, SamplingParams
+
+    a = json.load(open(sys.argv[1]))
+    llm = LLM(model=a["target"], speculative_config={"method": a["method"], "model": a["draft"],
+              "num_speculative_tokens": a["k"]}, max_model_len=4096, disable_log_stats=False, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"])
+    llm.generate([{"prompt_token_ids": a["prompts"][0]}], SamplingParams(temperature=0.0, max_tokens=8),
+                 use_tqdm=False)
+
+    def counts():
+        c = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        return c.get("vllm:spec_decode_num_drafts", 0), c.get("vllm:spec_decode_num_accepted_tokens", 0)
+
+    d0, a0 = counts()
+    outs, secs = [], 0.0
+    for ids in a["prompts"]:
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        secs += time.perf_counter() - t0
+        outs.append(list(o.outputs[0].token_ids))
+    d1, a1 = counts()
+    print("VLLM-RESULT " + json.dumps({"drafts": d1 - d0, "accepted": a1 - a0, "secs": secs, "outputs": outs}))
+
+
+if __name__ == "__main__":  # vLLM's engine core is a spawned process that imports this module again
+    main()
 """
 
 
@@ -260,9 +271,12 @@ def run_vllm(python: str, target_dir: Path, export_dir: Path, method: str, k: in
     transformers) with the export as its speculative model; tau from its spec_decode counters, warm-up excluded."""
     args = {"target": str(target_dir), "draft": str(export_dir), "method": method, "k": k, "prompts": prompts,
             "max_tokens": max_tokens}
-    show([python, "-c", "<vLLM driver: LLM(model=target, speculative_config={method, model=export, K})>"])
-    p = subprocess.run([python, "-c", VLLM_DRIVER], input=json.dumps(args), capture_output=True, text=True,
-                       check=False)
+    with tempfile.TemporaryDirectory(prefix="verispec-vllm-") as tmp:
+        driver, inputs = Path(tmp) / "vllm_driver.py", Path(tmp) / "args.json"
+        driver.write_text(VLLM_DRIVER)
+        inputs.write_text(json.dumps(args))
+        show([python, "vllm_driver.py (benchmarks/interop.py's VLLM_DRIVER)", "args.json"])
+        p = subprocess.run([python, str(driver), str(inputs)], capture_output=True, text=True, check=False, cwd=tmp)
     line = next((x for x in p.stdout.splitlines() if x.startswith("VLLM-RESULT ")), None)
     if p.returncode != 0 or line is None:
         raise RuntimeError("\n".join((p.stderr or p.stdout).strip().splitlines()[-8:]))
