@@ -240,7 +240,8 @@ def main():
 
     a = json.load(open(sys.argv[1]))
     llm = LLM(model=a["target"], speculative_config={"method": a["method"], "model": a["draft"],
-              "num_speculative_tokens": a["k"]}, max_model_len=4096, disable_log_stats=False, seed=0)
+              "num_speculative_tokens": a["k"]}, max_model_len=4096, disable_log_stats=False, seed=0,
+              gpu_memory_utilization=0.25)  # on CPU: the share of memory its KV cache takes
     params = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"])
     llm.generate([{"prompt_token_ids": a["prompts"][0]}], SamplingParams(temperature=0.0, max_tokens=8),
                  use_tqdm=False)

@@ -45,12 +45,15 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=len(CASES))
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"],
+                    help="the speculative arm's drafter, beside the grammar's forced tokens (suffix: with its cache of "
+                         "earlier outputs, which the arm's own earlier requests fill, as a server's would)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from verispec import LLM, SamplingParams
 
     llm = LLM(progress=False)
-    spec = llm.with_speculation({"method": "ngram", "num_speculative_tokens": args.k})
+    spec = llm.with_speculation({"method": args.method, "num_speculative_tokens": args.k})
     cases = CASES[: args.limit]
     arms = {"plain": (llm, False), "constrained": (llm, True), "spec": (spec, True)}
     tokens = {a: 0 for a in arms}
@@ -109,7 +112,7 @@ def main() -> None:
         "decode_constrained_over_plain": round(decode["constrained"] / decode["plain"], 3),
         "grammar_startup_s": round(startup, 3),
         "mean_tau_spec": round(sum(r["spec"]["tau"] for r in records) / len(records), 3),
-        "k": args.k, "max_tokens": args.max_tokens, "dtype": llm.dtype, "quantization": llm.quantization,
+        "method": args.method, "k": args.k, "max_tokens": args.max_tokens, "dtype": llm.dtype, "quantization": llm.quantization,
         "scheduler": spec.scheduler_name,
     }
     print(json.dumps(summary, indent=1))
