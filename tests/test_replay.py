@@ -6,30 +6,21 @@ end. The interop benchmark relies on it to score our drafter on another engine's
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.helpers import random_dspark, random_eagle3_head
+from tests.helpers import random_dspark, random_eagle3_head, sharp_llama
 from verispec import LLM, SamplingParams
 from verispec.bench.replay import engine_counts
 from verispec.execution.features import capture_forward, select
-from verispec.models.loader import load_model
 
 PROMPTS = [[1, 3, 0, 4, 4, 1, 0, 3], [2, 2, 1, 0, 4], [4, 0, 3, 3, 1, 2, 0, 1, 4, 4, 2]]
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     root = tmp_path_factory.mktemp("replay")
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(3.0)
-    hf.save_pretrained(root / "target")
-    model, _ = load_model(str(root / "target"), dtype="float32", device="cpu", progress=False)
+    _, model = sharp_llama(root / "target", 3, vocab_size=5, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           max_position_embeddings=128, tie_word_embeddings=False)
     random_eagle3_head(model, root / "eagle3")
     random_dspark(model, root / "dspark")
     return root
