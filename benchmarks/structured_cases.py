@@ -2,10 +2,11 @@
 
 Twelve record kinds (people, books, products, ...) in five schema shapes each (flat, with an enum, with an array,
 nested, with optional and nullable fields), each asked for by its own prompt. Strings carry a maxLength, numbers
-a range and two decimals (multipleOf 0.01, as prices and temperatures are written), so every constrained answer
-ends within the token budget: a small model left free writes a string, or a fraction's digits, until max_tokens
-cuts it (the default model wrote "au": 1.0000000000000001234567890000... for 200 tokens), and a cut answer is not
-valid JSON. `example(schema)` builds the instance the
+a range and a step (multipleOf 0.25), so every constrained answer ends within the token budget: a small model left
+free writes a string, or a fraction's digits, until max_tokens cuts it (the default model wrote "au":
+1.0000000000000001234567890000... for 200 tokens), and a cut answer is not valid JSON. The step is one binary
+floating point holds exactly: `jsonschema` checks multipleOf in floats, so with 0.01 it rejects valid answers
+(30.33 / 0.01 = 3032.9999999999995). `example(schema)` builds the instance the
 grammar-engine benchmark tokenizes.
 """
 
@@ -45,7 +46,7 @@ def _field(kind: str) -> dict[str, Any]:
         return {"type": "string", "minLength": 1, "maxLength": 24}
     if kind == "integer":
         return {"type": "integer", "minimum": 0, "maximum": 100000}
-    return {"type": "number", "minimum": -1000, "maximum": 100000, "multipleOf": 0.01}
+    return {"type": "number", "minimum": -1000, "maximum": 100000, "multipleOf": 0.25}
 
 
 def schema_for(kind: str, shape: str) -> dict[str, Any]:
