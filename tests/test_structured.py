@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from tests.helpers import EOS, LENGTH, PROMPT, V, chi2_pvalue, continuation_index, tiny_vocab_model
 from verispec import LLM, SamplingParams
+from verispec.drafters.base import Draft
 from verispec.sampling.grammar import GrammarError, StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -166,6 +168,82 @@ def test_forced_tokens_are_drafted_and_accepted(plain):
     out = _run(fast, SPECS[0], [[5, 6, 7]])[0]
     assert out.stats["num_draft_tokens"] >= 8
     assert out.stats["num_accepted_tokens"] >= 0.5 * out.stats["num_draft_tokens"]
+
+
+class _Drafter:
+    """Proposes the given continuation and remembers the contexts it was asked to continue."""
+
+    def __init__(self, tokens, context_only=True):
+        self.tokens, self.contexts, self.reads_context_only = list(tokens), [], context_only
+
+
+class _Live:
+    """The parts of a LiveRequest that `constrain.propose` reads."""
+
+    def __init__(self, proc, drafter, output):
+        self.proc, self.drafter, self.output = proc, drafter, list(output)
+        self.forced = self.forced_tail = 0
+        self.tree_now = False
+
+    def propose(self, k, floor=0.0, after=()):
+        self.drafter.contexts.append(self.output + list(after))
+        toks = self.drafter.tokens[:k]
+        return Draft(toks, confidence=[0.9 ** (i + 1) for i in range(len(toks))])
+
+
+def test_drafts_run_through_the_grammar(plain):
+    """`constrain.propose` at every state of an output where the grammar forces tokens: the draft is the forced
+    tokens, then the drafter's chain (asked to continue the output plus those tokens), cut where the grammar
+    forbids a token, then what a fresh matcher fed all of that forces next; confidence 1 on the forced head, the
+    drafter's on its chain, the chain's last on the forced tail. A drafter that reads more than its context is not
+    asked where tokens are forced."""
+    from verispec.engine import constrain
+
+    spec = StructuredOutputsParams.from_any(SPECS[0])
+    m, ids = _walk_states(plain, SPECS[0], PROMPTS[0])
+    proc = SimpleNamespace(forced=m.forced, cut=m.valid_prefix, forced_after=m.forced_after)
+    k, limit, seen = 4, 12, 0
+    for i in range(len(ids) - 1):
+        head = m.forced(limit)
+        wanted = ids[i + len(head): i + len(head) + k - 1] + [EOS]  # then one the grammar forbids mid-answer
+        if head and i + len(head) < len(ids) and EOS not in wanted[:-1]:
+            lv = _Live(proc, _Drafter(wanted), ids[:i])
+            d = constrain.propose(lv, k, 0.0, limit)
+            assert lv.drafter.contexts == [ids[:i] + head]
+            fresh = plain.processors.compiler.matcher(spec)
+            fresh.commit(ids[:i] + head)
+            n = 0
+            while n < len(wanted) and fresh.masks([[]])[0][wanted[n]]:  # the full bitmask, not validate_tokens
+                fresh.commit([wanted[n]])
+                n += 1
+            tail = fresh.forced(limit - len(head) - n) if n else []
+            assert d.tokens == head + wanted[:n] + tail, i
+            if n:
+                assert d.confidence == [1.0] * len(head) + [0.9 ** (j + 1) for j in range(n)] + [0.9 ** n] * len(tail)
+                seen += bool(tail)
+            other = _Live(proc, _Drafter(wanted, context_only=False), ids[:i])
+            assert constrain.propose(other, k, 0.0, limit).tokens == head and other.drafter.contexts == []
+        m.commit([ids[i]])
+    assert seen > 0, "some chain must be followed by forced tokens"
+
+
+def test_forced_after_is_what_a_matcher_fed_those_tokens_forces(plain):
+    """`Matcher.forced_after(tokens, k)` at every state of an output against a fresh matcher committed the output so
+    far and then those tokens (llguidance's own fast-forward there), and the matcher's state is unchanged after."""
+    spec = StructuredOutputsParams.from_any(SPECS[0])
+    m, ids = _walk_states(plain, SPECS[0], PROMPTS[0])
+    checked = 0
+    for i in range(len(ids)):
+        for j in range(i + 1, min(i + 4, len(ids)) + 1):
+            before = m.state_key()
+            got = m.forced_after(ids[i:j], 8)
+            assert m.state_key() == before
+            fresh = plain.processors.compiler.matcher(spec)
+            fresh.commit(ids[:j])
+            assert got == fresh.forced(8), (i, j)
+            checked += bool(got)
+        m.commit([ids[i]])
+    assert checked > 3, "the schema's keys must be forced after some values"
 
 
 def test_sampled_outputs_stay_in_the_grammar(plain):

@@ -99,6 +99,10 @@ class Drafter(Protocol):
     drafts_in_one_pass: bool
     # optional: True where propose() also takes min_survival (read with getattr(drafter, ..., False))
     stops_early: bool
+    # optional: True where propose() reads nothing but the context it is given (no features, no cache of its own
+    # drafts), so it may continue tokens certain to follow the output, such as a grammar's forced ones
+    # (read with getattr(drafter, ..., False))
+    reads_context_only: bool
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 

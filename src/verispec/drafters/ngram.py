@@ -123,6 +123,7 @@ class NgramDrafter:
 
     name = "ngram"
     gives_confidence = True
+    reads_context_only = True
 
     def __init__(self, config: NgramConfig | None = None, survival: SurvivalTable | None = None) -> None:
         self.config = config or NgramConfig()

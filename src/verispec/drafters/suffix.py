@@ -335,6 +335,7 @@ class SuffixDrafter:
     the first context proposed for) separates the output that release() hands to the shared cache."""
 
     name = "suffix"
+    reads_context_only = True
 
     def __init__(self, cache: SuffixCache, config: SuffixConfig | None = None, prompt_len: int | None = None) -> None:
         self.cache = cache

@@ -24,23 +24,35 @@ if TYPE_CHECKING:
 
 
 def propose(lv: "LiveRequest", k: int, floor: float, limit: int) -> Draft:
-    """The request's draft this step: `lv.propose(k, floor)`, or for a request with a processor the grammar's
-    forced tokens (up to `limit`, whatever k the policy chose before drafting: they are certain), else the
-    drafter's chain cut where the grammar forbids a token. Requests with a processor draft chains only."""
+    """The request's draft this step: `lv.propose(k, floor)`, or for a request with a processor, drafted through
+    the grammar: the tokens it forces next (up to `limit`, whatever k the policy chose before drafting: they are
+    certain), then the drafter's chain continuing them (up to k; from a drafter that `reads_context_only`, the
+    others draft only where nothing is forced), cut where the grammar forbids a token, then the tokens the grammar
+    forces after that chain (as likely to survive as its last token). A JSON answer's keys and separators are
+    forced, so one step can verify a value the drafter guessed and the next key with it. Requests with a
+    processor draft chains only."""
     proc = lv.proc
-    lv.forced = 0
+    lv.forced = lv.forced_tail = 0
     if proc is None:
         return lv.propose(k, floor)
     lv.tree_now = False
     forced = proc.forced(limit)
-    if forced:
-        lv.forced = len(forced)
-        return Draft(forced, confidence=[1.0] * len(forced))
-    d = lv.propose(k, floor)
-    if not d.tokens:
-        return d
-    n = proc.cut(d.tokens)
-    return d.head(n) if n else EMPTY
+    lv.forced = len(forced)
+    room = min(k, limit - len(forced))
+    if forced and not getattr(lv.drafter, "reads_context_only", False):
+        room = 0
+    d = lv.propose(room, floor, after=forced) if room > 0 else EMPTY
+    n = proc.cut(forced + d.tokens) - len(forced) if d.tokens else 0
+    only_forced = Draft(forced, confidence=[1.0] * len(forced)) if forced else EMPTY
+    if n <= 0 or (forced and d.probs is not None):
+        return only_forced
+    chain = d.head(n)
+    if chain.probs is not None:  # drafted from q: verified with its q, nothing appended
+        return chain
+    after = proc.forced_after(forced + chain.tokens, limit - len(forced) - n)
+    lv.forced_tail = len(after)
+    conf = list(chain.confidence) if chain.confidence is not None else [1.0] * n
+    return Draft(forced + chain.tokens + after, confidence=[1.0] * len(forced) + conf + [conf[-1]] * len(after))
 
 
 def process(lv: "LiveRequest", logits: torch.Tensor) -> torch.Tensor:
@@ -58,7 +70,9 @@ def commit(lv: "LiveRequest", kept: list[int]) -> None:
 
 
 def learns(lv: "LiveRequest") -> bool:
-    """Whether this step's verdict speaks of the drafter (not where the draft was the grammar's forced tokens)."""
+    """Whether this step's verdict speaks of the drafter: not where the draft began with the grammar's forced
+    tokens (its tokens after them were drafted on a context the estimate does not describe); a forced tail is
+    left out by `LiveRequest.learn`."""
     return lv.drafter is not None and not lv.forced
 
 

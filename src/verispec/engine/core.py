@@ -313,7 +313,7 @@ class Engine:
         """The acceptance estimate, the probe schedule, per-request and engine-wide counters."""
         g = len(lv.draft.tokens)
         if constrain.learns(lv):
-            lv.learn(verdict.accepted, verdict.tokens[0], timing.forward_s)
+            lv.learn(verdict.accepted, verdict.tokens[0], timing.forward_s, lv.forced_tail)
         lv.req.spec.record(g, verdict.accepted, draft_s=lv.draft_s, forward_s=timing.forward_s, verify_s=verify_s,
                            sched_s=timing.sched_s, state_s=state_s)
         lv.req.spec.record_drift(verdict.relaxed, verdict.tv_sum, verdict.tv_positions)

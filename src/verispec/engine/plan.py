@@ -93,9 +93,10 @@ class LiveRequest:
     other: Side | None = None
     on_model: bool = False  # switched to the hybrid's model drafter for this step
     # structured outputs / sampling controls (sampling/processor.py, engine/constrain.py): its processor, and how
-    # many of this step's draft tokens are the grammar's forced tokens (then the whole draft)
+    # many of this step's draft tokens the grammar forced before the drafter's chain and after it
     proc: "RequestProcessor | None" = None
     forced: int = 0
+    forced_tail: int = 0
 
     @property
     def prefilled(self) -> bool:
@@ -128,9 +129,11 @@ class LiveRequest:
             best, self.shape_steps = not best, 0
         self.tree_now = best
 
-    def propose(self, k: int, floor: float = 0.0) -> Draft:
+    def propose(self, k: int, floor: float = 0.0, after: Sequence[int] = ()) -> Draft:
         """Ask the request's drafter for up to k tokens (a tree in tree steps), timing it; the proposal is cut to k.
-        floor: the survival below which a drafter that `stops_early` stops (0: it drafts k).
+        floor: the survival below which a drafter that `stops_early` stops (0: it drafts k). after: tokens certain
+        to follow the output (the grammar's forced ones), which the drafter continues (chains of a drafter that
+        `reads_context_only`).
         A drafter that raises is dropped (`drop_drafter`) and EMPTY returned; a broken invariant propagates."""
         if k <= 0:
             return EMPTY
@@ -142,7 +145,8 @@ class LiveRequest:
             elif floor > 0 and self.stops_early:
                 d = self.drafter.propose(self.req.all_ids, k, min_survival=floor)  # type: ignore[call-arg]
             else:
-                d = self.drafter.propose(self.req.all_ids, k)  # type: ignore[union-attr]
+                context = self.req.all_ids + list(after) if after else self.req.all_ids
+                d = self.drafter.propose(context, k)  # type: ignore[union-attr]
         except AssertionError:  # a broken invariant: the engine's state is suspect
             raise
         except Exception as exc:  # noqa: BLE001 - only this request's drafter failed: it decodes on without one
@@ -192,11 +196,13 @@ class LiveRequest:
         """The drafter proposed tokens, so it must hear the verdict (even if none was verified)."""
         return self.proposed_tokens > 0
 
-    def learn(self, accepted: int, committed: int, step_s: float = 0.0) -> None:
+    def learn(self, accepted: int, committed: int, step_s: float = 0.0, tail: int = 0) -> None:
         """After verification, for a request with a drafter: its drafting time, the acceptance estimate of this
         step's draft shape, and the probe schedule. committed: the token the target committed at the draft's first
-        position; step_s: the step's forward time."""
-        g = len(self.draft.tokens)
+        position; step_s: the step's forward time; tail: draft tokens after the drafter's (a grammar's forced
+        ones), which say nothing of it."""
+        g = len(self.draft.tokens) - tail
+        accepted = min(accepted, g)
         if self.tree_estimator is not None:  # "draft_tree": "auto" (`choose_shape`) compares the shapes' records
             self.shape_records[self.tree_now].observe(g, accepted if g else 0, self.draft_s)
         if self.proposed:

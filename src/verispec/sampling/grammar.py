@@ -257,6 +257,17 @@ class Matcher:
             return []
         return [int(t) for t in self.m.compute_ff_tokens()[:k]]
 
+    def forced_after(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens the grammar forces after the committed output followed by `tokens` (which it must allow:
+        `valid_prefix`); the state is the committed output's again afterwards."""
+        if k <= 0:
+            return []
+        n = self._walk(tokens)
+        try:
+            return self.forced(k)
+        finally:
+            self._back(n)
+
     def commit(self, tokens: Sequence[int]) -> None:
         """The verified tokens, appended to the committed output; an EOS the grammar allows ends it."""
         for t in tokens:

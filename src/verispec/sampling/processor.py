@@ -37,6 +37,10 @@ class RequestProcessor:
         """Up to k tokens the grammar forces next (none without a grammar)."""
         return self.matcher.forced(k) if self.matcher is not None else []
 
+    def forced_after(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens the grammar forces once `tokens` (allowed: `cut`) follow the output (none without one)."""
+        return self.matcher.forced_after(tokens, k) if self.matcher is not None else []
+
     def cut(self, tokens: Sequence[int]) -> int:
         """How many leading draft tokens the grammar allows (all of them without a grammar)."""
         return self.matcher.valid_prefix(tokens) if self.matcher is not None else len(tokens)
