@@ -263,3 +263,27 @@ def test_hf_directory_has_the_dense_weights_the_light_load_skips(files, tmp_path
     t = next(t for t in GGUFReader(str(path)).tensors if t.name == "output_norm.weight")
     assert torch.equal(load_file(str(d / "model.safetensors"))["model.norm.weight"],
                        torch.from_numpy(dequantize(t.data, GGMLQuantizationType(t.tensor_type)).copy()))
+
+
+def test_converted_directories_of_gone_or_changed_files_are_pruned(files, tmp_path, monkeypatch) -> None:
+    """A new conversion removes the cached directories whose GGUF was deleted or rewritten since (nothing can ask
+    for them again); the directories of files still there, and the new one, stay."""
+    import os
+    import shutil
+
+    from pathlib import Path
+
+    from verispec.models.loader import convert_gguf
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    kept, gone, changed = (shutil.copy(files["qwen2-tied"], tmp_path / f"{n}.gguf") for n in ("kept", "gone",
+                                                                                                  "changed"))
+    dirs = {p: convert_gguf(Path(p), progress=False, weights=False) for p in (kept, gone, changed)}
+    assert all(d.is_dir() for d in dirs.values())
+    os.remove(gone)
+    st = os.stat(changed)
+    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place: another file id
+    new = convert_gguf(Path(changed), progress=False, weights=False)
+    assert new != dirs[changed] and new.is_dir()
+    assert not dirs[gone].exists() and not dirs[changed].exists()
+    assert dirs[kept].is_dir() and (dirs[kept] / "config.json").is_file()

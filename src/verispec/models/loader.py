@@ -67,10 +67,33 @@ def convert_gguf(gguf_path: Path, progress: bool = True, weights: bool = True) -
     if (out / "complete").exists():
         complete_hf_dir(out)  # a directory converted before it carried every file other tools read
     else:
+        prune_converted(out.parent)
         _convert_config(gguf_path, out)
     if weights and not (out / WEIGHTS_FILE).is_file():
         _write_weights(gguf_path, out)
     return out
+
+
+def prune_converted(root: Path) -> list[Path]:
+    """Remove the converted directories whose GGUF is gone or has changed since (its path, size and mtime no longer
+    give the directory's id): nothing can ask for them again, and with dense weights each holds the model in
+    float32. Run before each new conversion, so re-quantising a file, or deleting test and scratch files, does not
+    grow the cache without bound. Returns what was removed."""
+    import shutil
+
+    removed = []
+    for d in root.glob("*-*") if root.is_dir() else ():
+        marker = d / "complete"
+        if not marker.is_file():
+            continue  # being written (its .tmp sibling is renamed only when whole), or not ours
+        src = Path(marker.read_text().strip())
+        if src.is_file() and d.name.endswith(f"-{_file_id(src)}"):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    if removed:
+        log.info("removed %d converted directories of GGUF files that are gone or changed", len(removed))
+    return removed
 
 
 def _convert_config(gguf_path: Path, out: Path) -> None:
@@ -95,7 +118,7 @@ def _convert_config(gguf_path: Path, out: Path) -> None:
     except Exception as e:  # a GGUF without tokenizer metadata still serves token-id prompts
         log.warning("no tokenizer could be read from %s: %s", gguf_path, e)
     complete_hf_dir(tmp)
-    (tmp / "complete").write_text(str(gguf_path))
+    (tmp / "complete").write_text(str(gguf_path.resolve()))
     try:
         tmp.rename(out)
     except OSError:  # another process finished first
