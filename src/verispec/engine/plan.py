@@ -142,11 +142,12 @@ class LiveRequest:
             if self.tree_now and hasattr(self.drafter, "propose_tree"):
                 tree = self.drafter.propose_tree(self.req.all_ids, k, k)  # type: ignore[union-attr]
                 d = Draft(list(tree.tokens), tree.probs, parents=tree.parents)
-            elif floor > 0 and self.stops_early:
-                d = self.drafter.propose(self.req.all_ids, k, min_survival=floor)  # type: ignore[call-arg]
             else:
                 context = self.req.all_ids + list(after) if after else self.req.all_ids
-                d = self.drafter.propose(context, k)  # type: ignore[union-attr]
+                if floor > 0 and self.stops_early:
+                    d = self.drafter.propose(context, k, min_survival=floor)  # type: ignore[call-arg]
+                else:
+                    d = self.drafter.propose(context, k)  # type: ignore[union-attr]
         except AssertionError:  # a broken invariant: the engine's state is suspect
             raise
         except Exception as exc:  # noqa: BLE001 - only this request's drafter failed: it decodes on without one
