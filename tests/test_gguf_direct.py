@@ -267,7 +267,8 @@ def test_hf_directory_has_the_dense_weights_the_light_load_skips(files, tmp_path
 
 def test_converted_directories_of_gone_or_changed_files_are_pruned(files, tmp_path, monkeypatch) -> None:
     """A new conversion removes the cached directories whose GGUF was deleted or rewritten since (nothing can ask
-    for them again); the directories of files still there, and the new one, stay."""
+    for them again); the directories of files still there, the new one and one another process is still writing
+    stay."""
     import os
     import shutil
 
@@ -280,10 +281,12 @@ def test_converted_directories_of_gone_or_changed_files_are_pruned(files, tmp_pa
                                                                                                   "changed"))
     dirs = {p: convert_gguf(Path(p), progress=False, weights=False) for p in (kept, gone, changed)}
     assert all(d.is_dir() for d in dirs.values())
+    writing = dirs[kept].with_name(dirs[kept].name + ".tmp99")  # another process's conversion, not yet renamed
+    shutil.copytree(dirs[gone], writing)
     os.remove(gone)
     st = os.stat(changed)
     os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place: another file id
     new = convert_gguf(Path(changed), progress=False, weights=False)
     assert new != dirs[changed] and new.is_dir()
     assert not dirs[gone].exists() and not dirs[changed].exists()
-    assert dirs[kept].is_dir() and (dirs[kept] / "config.json").is_file()
+    assert dirs[kept].is_dir() and (dirs[kept] / "config.json").is_file() and writing.is_dir()

@@ -84,8 +84,8 @@ def prune_converted(root: Path) -> list[Path]:
     removed = []
     for d in root.glob("*-*") if root.is_dir() else ():
         marker = d / "complete"
-        if not marker.is_file():
-            continue  # being written (its .tmp sibling is renamed only when whole), or not ours
+        if ".tmp" in d.name or not marker.is_file():
+            continue  # being written by some process (renamed only when whole), or not ours
         src = Path(marker.read_text().strip())
         if src.is_file() and d.name.endswith(f"-{_file_id(src)}"):
             continue
