@@ -133,24 +133,8 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
                 for name in names[shift:] + names[:shift]:
                     got[name] = engines[name].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
                     bar.update()
-                plain = got["none"]
-                for name, out in got.items():
-                    div = None if name == "none" else compare_greedy(base.model, ids, plain.token_ids, out.token_ids)
-                    s = out.stats
-                    records.append({
-                        "workload": wl, "prompt_id": wp.id, "repeat": r, "method": name, "order": names.index(name),
-                        "prompt_tokens": len(ids), "output_tokens": s["output_tokens"], "ttft_s": s["ttft_s"],
-                        "e2e_s": s["e2e_s"], "tok_per_s": s["tok_per_s"],
-                        "ratio": s["tok_per_s"] / plain.stats["tok_per_s"] if plain.stats["tok_per_s"] else 0.0,
-                        "tau": s["mean_acceptance_length"] if name != "none" else 1.0,
-                        "acceptance_rate": s["acceptance_rate"],
-                        "per_position_acceptance": s["per_position_acceptance"],
-                        **{kk: s[kk] for kk in SPLIT},
-                        "identical": div is None, "near_tie": bool(div and div.near_tie),
-                        "first_divergence": None if div is None else div.position,
-                        "divergence": None if div is None else str(div),
-                        "common_prefix_pct": 100 * common_prefix_fraction(plain.token_ids, out.token_ids),
-                    })
+                records += [_record(base, wl, wp.id, r, name, names.index(name), ids, out, got["none"])
+                            for name, out in got.items()]
     load.stop()
     bar.close()
     if load.share is not None and load.share.disturbed:
@@ -163,6 +147,28 @@ def run_single(model: str = DEFAULT_MODEL, dtype: str = "auto", methods=MODEL_FR
     if spec_bench:
         rep.tables += spec_bench_tables(records)
     return rep
+
+
+def _record(base, wl: str, prompt_id: str, repeat: int, name: str, order: int, ids: list[int], out, plain
+            ) -> dict[str, Any]:
+    """One method's run of one prompt against plain decoding's run of it: speed, acceptance, the time split and
+    where its greedy output parted from plain's (None: identical)."""
+    div = None if name == "none" else compare_greedy(base.model, ids, plain.token_ids, out.token_ids)
+    s = out.stats
+    return {
+        "workload": wl, "prompt_id": prompt_id, "repeat": repeat, "method": name, "order": order,
+        "prompt_tokens": len(ids), "output_tokens": s["output_tokens"], "ttft_s": s["ttft_s"],
+        "e2e_s": s["e2e_s"], "tok_per_s": s["tok_per_s"],
+        "ratio": s["tok_per_s"] / plain.stats["tok_per_s"] if plain.stats["tok_per_s"] else 0.0,
+        "tau": s["mean_acceptance_length"] if name != "none" else 1.0,
+        "acceptance_rate": s["acceptance_rate"],
+        "per_position_acceptance": s["per_position_acceptance"],
+        **{kk: s[kk] for kk in SPLIT},
+        "identical": div is None, "near_tie": bool(div and div.near_tie),
+        "first_divergence": None if div is None else div.position,
+        "divergence": None if div is None else str(div),
+        "common_prefix_pct": 100 * common_prefix_fraction(plain.token_ids, out.token_ids),
+    }
 
 
 def spec_bench_tables(records) -> list[Table]:
