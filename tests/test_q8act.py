@@ -710,3 +710,24 @@ def test_a_float16_kv_cache_keeps_speculation_lossless_and_halves_the_bytes_per_
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(DEFAULT_MODEL, quantization="gguf-q8act", dtype="float32", max_model_len=64, progress=False,
             kv_cache_dtype="int8")
+
+
+@pytest.mark.slow
+def test_eagle3_beside_the_default_model_reads_embedding_rows_without_a_dense_table() -> None:
+    """EAGLE-3 embeds its tokens through the target's row lookup (models/gguf_embedding.py): speculating with it
+    leaves the target's dense [V, d] table unbuilt (it was built on the head's first proposal: 113 MB and about
+    0.1 s at the default model's 49,152 x 576 in float32), and the output stays plain's with the state oracle on
+    (the head's state recomputed from the target's features after every step)."""
+    from verispec import LLM, SamplingParams
+    from verispec.models.hub import DEFAULT_MODEL
+
+    llm = LLM(DEFAULT_MODEL, quantization="gguf-q8act", dtype="float32", max_model_len=256, progress=False)
+    assert "embed" in llm.model.__dict__.get("dense_on_demand", {}), "the light load leaves the dense table out"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    msgs = [[{"role": "user", "content": PROMPTS[0]}]]
+    fast = llm.with_speculation({"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False},
+                                check_state=True)
+    out = fast.chat(msgs, params, use_tqdm=False)[0]
+    assert out.stats["num_draft_tokens"] > 0
+    assert "embed" in llm.model.__dict__["dense_on_demand"], "drafting built the target's dense embedding"
+    assert out.token_ids == llm.chat(msgs, params, use_tqdm=False)[0].token_ids

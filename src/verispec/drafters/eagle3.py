@@ -125,8 +125,10 @@ class Eagle3Head(nn.Module):
         self.kernel = kernel
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        # the target's table is frozen: detached, so training the head sends no gradient into it
-        return F.embedding(ids, self._target[0].embed.detach()).to(self.dtype)
+        # the target's table is frozen: detached, so training the head sends no gradient into it. Through the
+        # target's own lookup: a GGUF target's rows are dequantised as looked up (and kept for small lookups);
+        # `target.embed` would build its dense [V, d] table (113 MB at 49k x 576 in float32) on first use
+        return self._target[0].embed_tokens(ids).detach().to(self.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self._target[0]
