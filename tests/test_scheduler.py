@@ -316,3 +316,51 @@ def test_dspark_lets_drafters_that_stop_early_draft_while_their_first_tokens_are
     pair.draft_cost_per_token = 0.6 * EARLY_STOP_SHARE
     assert policy.draft_lengths([Candidate(7, pair, stops_early=True)] * 2, 2) == [0, 0]
     assert policy.draft_lengths([Candidate(7, pair, stops_early=True)], 1) == [7]
+
+
+def test_dspark_turns_off_a_drafter_that_stops_early_where_its_drafting_steps_did_not_pay():
+    """Drafting steps' record (`AcceptanceEstimator.drafting`: tokens committed, rows verified, drafting seconds)
+    gates a drafter that stops early once GATE_AFTER steps are in it: it drafts while those steps committed at
+    least the plain rate, else only on a due probe. Closed form, a 1-second step over 1 token and over 2, 0.1 s
+    of drafting per token: a record of 1 token per step for 0.1 s of drafting commits 1 / 1.1 < 1 token per
+    second (off); 1.2 tokens over 1 row commits 1.2 / (1 + 0 + 0.1) > 1 (on)."""
+    from verispec.engine.costs import ShapeRecord
+    from verispec.engine.scheduler import GATE_AFTER
+
+    policy = DSparkPolicy(StepCosts(CostTable((1, 2, 8, 16), (1.0, 1.0, 1.2, 1.4))))
+    est = AcceptanceEstimator(prior=0.9)
+    est.draft_cost_per_token = 0.1
+    est.drafting = ShapeRecord(tokens=1.0, rows=0.0, draft_s=0.1, steps=GATE_AFTER - 1)
+    assert policy.draft_lengths([Candidate(7, est, stops_early=True)], 1) == [7]  # too few steps to judge
+    est.drafting.steps = GATE_AFTER
+    assert policy.draft_lengths([Candidate(7, est, stops_early=True)], 1) == [0]
+    assert policy.draft_lengths([Candidate(7, est, probe=True, stops_early=True)], 1) == [7]
+    assert policy.draft_lengths([Candidate(7, est)], 1) == [7]  # other drafters: the estimate (0.9) decides
+    est.drafting = ShapeRecord(tokens=1.2, rows=1.0, draft_s=0.1, steps=GATE_AFTER)
+    assert policy.draft_lengths([Candidate(7, est, stops_early=True)], 1) == [7]
+    # a batch of two: the request's share of the plain step is T(2) / 2 = 0.5 s, plain rate 2 tokens per second;
+    # 1.2 tokens over 0.5 + (T(3) - T(2)) + 0.1 s (T(3) = 1 + 0.2 / 6), 1.89 per second, is below it
+    pair = [Candidate(7, est, stops_early=True), Candidate(7, AcceptanceEstimator(prior=0.9), stops_early=True)]
+    assert policy.draft_lengths(pair, 2)[0] == 0
+
+
+def test_a_request_records_its_drafting_steps_after_the_first_at_most_at_the_timed_cost():
+    """LiveRequest.learn puts each step its drafter proposed in into the drafting record, but not the request's
+    first proposal (it catches the drafter up on the prompt), and charges a step at most what the drafting time
+    prices its proposal at (a probe catches up on every position since the last one)."""
+    from verispec.engine.plan import LiveRequest
+    from verispec.sampling import SamplingParams
+    from verispec.state.request import Request
+
+    lv = LiveRequest(Request([1, 2, 3], SamplingParams(temperature=0)), None, AcceptanceEstimator(), None, None)
+    for draft_s, tokens, accepted in ((5.0, 2, 0), (0.2, 2, 1), (0.2, 2, 2), (3.0, 2, 0)):
+        lv.draft, lv.draft_s, lv.proposed_tokens = Draft([7] * tokens), draft_s, tokens
+        lv.learn(accepted, 7)
+    rec, timing = lv.estimator.drafting, lv.estimator.timing
+    assert rec.steps == 3
+    w = rec.weight
+    capped = min(3.0, timing.cost(2))
+    assert capped < 3.0
+    assert rec.draft_s == pytest.approx((1 - w) ** 2 * 0.2 + (1 - w) * w * 0.2 + w * capped)
+    assert rec.tokens == pytest.approx((1 - w) ** 2 * 2 + (1 - w) * w * 3 + w * 1)
+    assert rec.rows == pytest.approx(2.0)
