@@ -25,8 +25,7 @@ import time
 
 def _arm_spec(name: str, k: int) -> dict | None:
     """'ngram' or 'suffix', with options after dashes: '-k8' (8 draft tokens), '-tree' ("draft_tree": "auto"),
-    '-nocache' (suffix without the cache of earlier outputs, set up by `run`), '-nogate' (dspark without its gate on
-    the drafting record of drafters that stop early, EAGLE-3: set up by `run`)."""
+    '-nocache' (suffix without the cache of earlier outputs, set up by `run`)."""
     if name == "none":
         return None
     method, *opts = name.split("-")
@@ -36,7 +35,7 @@ def _arm_spec(name: str, k: int) -> dict | None:
             spec["draft_tree"] = "auto"
         elif o.startswith("k") and o[1:].isdigit():
             spec["num_speculative_tokens"] = int(o[1:])
-        elif o not in ("nocache", "nogate"):
+        elif o != "nocache":
             raise ValueError(f"unknown arm option {o!r} in {name!r}")
     return spec
 
@@ -71,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
         # --keep-prefix-cache: each arm its own KV cache, so what one arm cached never serves another
         arms[a] = (new_llm() if args.keep_prefix_cache else base).with_speculation(_arm_spec(a, args.k))
         _ = arms[a].costs  # the start-up profile, before anything is timed
-        if "-nogate" in a:
-            arms[a].engine.policy.gate_early = False
     print(base.path_choice.describe(), flush=True)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     names = list(arms)
@@ -126,9 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("questions", help="Spec-Bench's question.jsonl, or a shipped workload name / JSONL file")
     ap.add_argument("--plain-workload", action="store_true", help="read a .jsonl path as a workload, not Spec-Bench")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--arms", default="ngram", help="comma list of ngram, suffix, suffix-nocache or a learned "
-                    "method (eagle3, dflash, dspark), each with options -k8 (draft tokens), -tree (draft trees where "
-                    "they pay), -nogate (EAGLE-3 without dspark's gate on its drafting record)")
+    ap.add_argument("--arms", default="ngram", help="comma list of ngram, suffix, suffix-nocache, each with "
+                    "options -k8 (draft tokens), -tree (draft trees where they pay)")
     ap.add_argument("--per-category", type=int, default=5)
     ap.add_argument("--categories", default=None, help="comma list (default: all 13)")
     ap.add_argument("--repeats", type=int, default=2)

@@ -296,9 +296,6 @@ class AcceptanceEstimator:
     # the drafter's measured time per proposal (the engine seeds it with an earlier request's measurement)
     timing: DraftTiming = field(default_factory=DraftTiming)
     proposals_timed: int = field(default=0, init=False)  # proposals with tokens this request has made
-    # what this request's steps that drafted did, its first proposal left out (dspark's gate for drafters that stop
-    # early reads it: they draft every step on their confidences, which the estimate above only partly sees)
-    drafting: "ShapeRecord" = field(default_factory=lambda: ShapeRecord(weight=DRAFTING_WEIGHT), init=False)
     accept_rate: float = field(init=False)
     pos_rates: list[float] = field(default_factory=list, init=False)
     _plain_steps: int = field(default=0, init=False)
@@ -399,7 +396,6 @@ class AcceptanceEstimator:
             self.pos_rates[j] = self.decay * self.pos_rates[j] + (1 - self.decay) * (j < accepted)
 
 
-DRAFTING_WEIGHT = 0.1  # the newest drafting step's weight in `AcceptanceEstimator.drafting` (EAGLE-3 accepts in runs)
 SHAPE_MEASURED = 3  # steps of each shape before "auto" compares what the shapes did, not its estimates
 
 

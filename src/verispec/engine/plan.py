@@ -207,11 +207,7 @@ class LiveRequest:
         if self.tree_estimator is not None:  # "draft_tree": "auto" (`choose_shape`) compares the shapes' records
             self.shape_records[self.tree_now].observe(g, accepted if g else 0, self.draft_s)
         if self.proposed:
-            est = self.shape_estimator
-            est.observe_draft(self.proposed_tokens, self.draft_s)
-            if est.proposals_timed > 1:  # at most what the timing prices it at: a probe's catch-up on the positions
-                # skipped since the last proposal is work the steps drafting every step would each have done
-                est.drafting.observe(g, accepted if g else 0, min(self.draft_s, est.draft_cost(self.proposed_tokens)))
+            self.shape_estimator.observe_draft(self.proposed_tokens, self.draft_s)
         if g:
             self.shape_estimator.update(g, accepted)
             self.probe = False

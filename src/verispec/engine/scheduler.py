@@ -228,7 +228,6 @@ FREE_DRAFT_SHARE = 0.10
 # time) cost at most this share of the step (the floor ends each chain where it stops paying, so a first token is
 # the most a step can waste). Chosen by replaying EAGLE-3's drafts with measured step costs: docs/results/cost_model.md
 EARLY_STOP_SHARE = 0.25
-GATE_AFTER = 8  # drafting steps of a request before dspark's gate for drafters that stop early reads their record
 
 
 class DSparkPolicy(_CostAware):
@@ -238,7 +237,6 @@ class DSparkPolicy(_CostAware):
                  first_drop: bool = False) -> None:
         super().__init__(costs, margin)
         self.first_drop = first_drop
-        self.gate_early = True  # `drafting_pays` gates drafters that stop early (benchmarks switch it off to measure it)
 
     def draft_lengths(self, cands: Sequence[Candidate], base_tokens: int) -> list[int]:
         """Before drafting, survival can only come from the online estimate (and a due probe), with the drafting
@@ -258,38 +256,21 @@ class DSparkPolicy(_CostAware):
         never be timed, and never be found free."""
         if self.nothing_pays(cands, base_tokens):
             return [0] * len(cands)
-        off = [self.gate_early and c.stops_early and not self.drafting_pays(c, base_tokens) for c in cands]
         extra = [drafting_costs(c, whole_blocks=True) for c in cands]
         step = self.costs(base_tokens, base_tokens)
         blocks = [sum(e) for c, e in zip(cands, extra) if c.confidences and c.limit and not c.stops_early]  # seconds
         free = sum(blocks) <= FREE_DRAFT_SHARE * step
         # a first token at the drafter's per-token time: its per-call time is mostly catching up on the positions
         # committed since its last proposal, work that skipping a step defers rather than saves
-        early = sum(c.estimator.timing.line()[1] for c, o in zip(cands, off)
-                    if c.stops_early and c.limit and not o) <= EARLY_STOP_SHARE * step
+        early = sum(c.estimator.timing.line()[1] for c in cands if c.stops_early and c.limit) <= EARLY_STOP_SHARE * step
         drafts = [c.confidences and (not c.estimator.draft_cost_per_token or (early if c.stops_early else free))
                   for c in cands]  # whole blocks (a drafter that stops early: up to its floor)
         if all(d or not c.limit for d, c in zip(drafts, cands)):  # the admission could change nothing
-            return [0 if o else c.limit for c, o in zip(cands, off)]
+            return [c.limit for c in cands]
         survivals = _with_probes(cands, [c.estimator.position_survival(c.limit) for c in cands])
         admitted = admit_prefixes(survivals, self.costs, base_tokens, extra, stop_at_first_drop=self.first_drop,
                                   margin=self.margin)
-        return [0 if o else c.limit if d or (n and c.confidences) else n
-                for c, d, n, o in zip(cands, drafts, admitted, off)]
-
-    def drafting_pays(self, c: Candidate, base_tokens: int) -> bool:
-        """For a drafter that stops early: whether its drafting steps in this request (`AcceptanceEstimator.drafting`,
-        from the GATE_AFTER-th on; before that, and on a due probe, yes) committed at least the plain rate: their
-        tokens over the request's share of a plain step, the verification rows they added and their drafting time,
-        against B / T(B). Such a drafter drafts every step on its confidences, so the estimate sees only the positions
-        they chose; where its tokens are rarely the target's (text far from its training), the first token drafted
-        every step was the whole cost of speculation, as much as a quarter of a step for nothing."""
-        rec = c.estimator.drafting
-        if c.probe or rec.steps < GATE_AFTER:
-            return True
-        B = max(base_tokens, 1)
-        base = self.costs(B, B)
-        return rec.rate(lambda n: base / B + self.costs(B + n, B) - base) >= B / base
+        return [c.limit if d or (n and c.confidences) else n for c, d, n in zip(cands, drafts, admitted)]
 
     def survival_floors(self, cands: Sequence[Candidate], base_tokens: int) -> list[float]:
         """For a drafter that stops early: the survival at which one more drafted position stops paying for itself
