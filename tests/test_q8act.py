@@ -713,11 +713,17 @@ def test_a_float16_kv_cache_keeps_speculation_lossless_and_halves_the_bytes_per_
 
 
 @pytest.mark.slow
-def test_eagle3_beside_the_default_model_reads_embedding_rows_without_a_dense_table() -> None:
-    """EAGLE-3 embeds its tokens through the target's row lookup (models/gguf_embedding.py): speculating with it
-    leaves the target's dense [V, d] table unbuilt (it was built on the head's first proposal: 113 MB and about
-    0.1 s at the default model's 49,152 x 576 in float32), and the output stays plain's with the state oracle on
-    (the head's state recomputed from the target's features after every step)."""
+@pytest.mark.parametrize("method", ["eagle3", "dspark", "dflash"])
+def test_learned_drafters_beside_the_default_model_read_embedding_rows_without_a_dense_table(method) -> None:
+    """The shipped learned drafters read the target's embedding rows through its row lookup
+    (models/gguf_embedding.py): speculating with them leaves the target's dense [V, d] table unbuilt (drafting
+    built it: 113 MB at the default model's 49,152 x 576 in float32), the output stays plain's with the state oracle
+    on, and the rows a DFlash / DSpark draft vocabulary takes from the tied output matrix are gguf's own
+    dequantisation of the file's `token_embd` rows."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
     from verispec import LLM, SamplingParams
     from verispec.models.hub import DEFAULT_MODEL
 
@@ -725,9 +731,16 @@ def test_eagle3_beside_the_default_model_reads_embedding_rows_without_a_dense_ta
     assert "embed" in llm.model.__dict__.get("dense_on_demand", {}), "the light load leaves the dense table out"
     params = SamplingParams(temperature=0.0, max_tokens=24)
     msgs = [[{"role": "user", "content": PROMPTS[0]}]]
-    fast = llm.with_speculation({"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False},
+    fast = llm.with_speculation({"method": method, "num_speculative_tokens": 4, "adaptive": False},
                                 check_state=True)
     out = fast.chat(msgs, params, use_tqdm=False)[0]
     assert out.stats["num_draft_tokens"] > 0
     assert "embed" in llm.model.__dict__["dense_on_demand"], "drafting built the target's dense embedding"
     assert out.token_ids == llm.chat(msgs, params, use_tqdm=False)[0].token_ids
+    if method != "eagle3":
+        vocab = fast.drafters.learned.vocab
+        ids = vocab.ids[:: max(1, len(vocab.ids) // 64)]
+        (t,) = [t for t in GGUFReader(llm.resolved.gguf).tensors if t.name == "token_embd.weight"]
+        want = dequantize(np.asarray(t.data)[ids.numpy()], t.tensor_type)
+        got = fast.drafters.learned.parts.out_rows(ids)
+        assert torch.equal(got, torch.from_numpy(want).float())

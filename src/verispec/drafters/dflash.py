@@ -59,7 +59,8 @@ def load(path: str | Path, target, inference: bool = True, kind: str | None = No
     ids = draft_vocab.read(path) if inference else None
     if ids is not None:  # built from the float weights, before any rounding
         w2 = model.markov.w2.weight if model.markov is not None else None
-        model.vocab = DraftVocab(ids, model.parts.out_weight, w2, kernel=target.decoder_kernel is not None)
+        model.vocab = DraftVocab(ids, model.parts.out_rows, model.parts.vocab_size, w2,
+                                 kernel=target.decoder_kernel is not None)
     if inference and target.decoder_kernel is not None:
         model.quantize_q8act(target.head_weight, kind or DEFAULT_DRAFT_QUANTIZATION.upper())
     return model
@@ -222,7 +223,7 @@ class DFlashDrafter:
         """DFlash 2: the path selector walks the block's top-m candidates (drafters/path_selector.py); sampled,
         each position's distribution over its candidates is returned scattered over the vocabulary. position: the
         first drafted token's absolute position."""
-        sel, p, embed = self.model.selector, self.params, self.model.parts.embed
+        sel, p, embed = self.model.selector, self.params, self.model.parts.rows
         lat = sel.lattice(U[:g], h[1 : g + 1], embed)
         tokens, dists = walk(lat, sel, embed, anchor, g, 0.0 if p.greedy else p.temperature, self.sampler, position)
         if p.greedy:
@@ -246,7 +247,7 @@ class DFlashDrafter:
         if depth <= 0 or n + B > self.model.parts.max_positions:
             return TreeDraft((), ())
         h, U = self.block(int(context[-1]), n)  # [B, d], [B - 1, V]
-        sel, embed, p = self.model.selector, self.model.parts.embed, self.params
+        sel, embed, p = self.model.selector, self.model.parts.rows, self.params
         lat = sel.lattice(U[:depth], h[1 : depth + 1], embed) if sel is not None else None
         sampled = not p.greedy and lat is None
         plain = None if self.model.markov is not None or lat is not None else \

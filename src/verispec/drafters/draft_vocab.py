@@ -12,6 +12,7 @@ selector` never use it (a checkpoint saved by them keeps the file it came with).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +56,16 @@ class DraftVocab:
     """The rows of the output matrix (and of DSpark's W2) for `ids`, as Q8_0 blocks on verispec's kernel beside a
     gguf-q8act target (`kernel`), else dense in the drafter's dtype."""
 
-    def __init__(self, ids: torch.Tensor, out_weight: torch.Tensor, w2: torch.Tensor | None, kernel: bool) -> None:
-        self.ids = check(ids, out_weight.shape[0]).to(out_weight.device)
-        self.vocab_size = out_weight.shape[0]
+    def __init__(self, ids: torch.Tensor, out_rows: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                 w2: torch.Tensor | None, kernel: bool) -> None:
+        """out_rows: ids [n] -> [n, d] rows of the target's output matrix (dflash_model.TargetParts.out_rows: no
+        dense table where the head is tied to a GGUF embedding)."""
+        ids = check(ids, vocab_size)
+        head = out_rows(ids)
+        self.ids = ids.to(head.device)
+        self.vocab_size = vocab_size
         self.kernel = kernel
-        head, w2r = out_weight[self.ids], None if w2 is None else w2.detach()[self.ids]
+        w2r = None if w2 is None else w2.detach()[self.ids]
         self.head, self.w2 = head, w2r  # dense rows; DSpark's W2 [Vd, r] (models/linear.py's Weight)
         if kernel:
             from verispec.kernels.q8act import Q8ActWeight

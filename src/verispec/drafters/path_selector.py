@@ -24,12 +24,22 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from verispec.sampling import DraftSampler
+
+# the target's token embedding as the selector reads it: a dense [V, d] table, or a function of ids [...] -> rows
+# [..., d] (dflash_model.TargetParts.rows: a GGUF target's rows dequantised as looked up, no dense table)
+Embed = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+def lookup(embed: Embed, ids: torch.Tensor) -> torch.Tensor:
+    """ids [...] -> [..., d] rows of `embed`."""
+    return F.embedding(ids, embed) if isinstance(embed, torch.Tensor) else embed(ids)
 
 FILES = ("path_selector.json", "path_selector.safetensors")  # stored next to the DFlash checkpoint's own files
 
@@ -81,30 +91,31 @@ class PathSelector(nn.Module):
         """[..., d] token embeddings -> W_l e / sqrt(r): [..., r] (the previous token's side of the pair term)."""
         return self.w_l(emb) / math.sqrt(self.cfg.rank)
 
-    def scores(self, vals: torch.Tensor, cand: torch.Tensor, h: torch.Tensor, embed: torch.Tensor
+    def scores(self, vals: torch.Tensor, cand: torch.Tensor, h: torch.Tensor, embed: Embed
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """vals, cand: [..., g, m] DFlash's top-m log-probabilities and their tokens, h: [..., g, d] ->
         (unary [..., g, m], right [..., g, m, r]); the batch dims are any (training runs many anchors at once)."""
         g = vals.shape[-2]
-        e = F.embedding(cand, embed).to(self.w_c.weight.dtype)  # [..., g, m, d]
+        e = lookup(embed, cand).to(self.w_c.weight.dtype)  # [..., g, m, d]
         ctx = self.w_h(self.context(h.to(self.w_h.weight.dtype)))  # [..., g, r]
         unary = self.alpha[:g, None] * vals.to(ctx.dtype) + (self.w_c(e) * ctx.unsqueeze(-2)).sum(-1)
         return unary, self.w_r(e)
 
-    def step_logits(self, unary: torch.Tensor, right: torch.Tensor, prev: torch.Tensor, embed: torch.Tensor
+    def step_logits(self, unary: torch.Tensor, right: torch.Tensor, prev: torch.Tensor, embed: Embed
                     ) -> torch.Tensor:
         """Teacher-forced: unary [..., g, m], right [..., g, m, r], prev [..., g] the token before each position ->
         u_k(c) + b(prev_k, c): [..., g, m]."""
-        left = self.left(F.embedding(prev, embed).to(right.dtype))  # [..., g, r]
+        left = self.left(lookup(embed, prev).to(right.dtype))  # [..., g, r]
         return unary + (right @ left.unsqueeze(-1)).squeeze(-1)
 
-    def next_logits(self, lat: Lattice, k: int, prev: int, embed: torch.Tensor) -> torch.Tensor:
+    def next_logits(self, lat: Lattice, k: int, prev: int, embed: Embed) -> torch.Tensor:
         """[m] u_k(c) + b(prev, c) over position k's candidates, after token `prev` (float32)."""
-        left = self.left(embed[prev].to(self.w_l.weight.dtype)).float()  # [r]
+        e = lookup(embed, torch.tensor(prev, device=lat.cand.device))  # [d]
+        left = self.left(e.to(self.w_l.weight.dtype)).float()  # [r]
         return lat.unary[k] + lat.right[k] @ left
 
     @torch.no_grad()
-    def lattice(self, logits: torch.Tensor, h: torch.Tensor, embed: torch.Tensor) -> Lattice:
+    def lattice(self, logits: torch.Tensor, h: torch.Tensor, embed: Embed) -> Lattice:
         """One block at inference: logits [g, V] (DFlash's U), h [g, d] -> its Lattice."""
         vals, cand = torch.log_softmax(logits.float(), -1).topk(self.cfg.top_m, dim=-1)  # [g, m]
         unary, right = self.scores(vals, cand, h, embed)
@@ -133,7 +144,7 @@ class PathSelector(nn.Module):
         return sel.eval().requires_grad_(False)
 
 
-def walk(lat: Lattice, selector: PathSelector, embed: torch.Tensor, anchor: int, g: int,
+def walk(lat: Lattice, selector: PathSelector, embed: Embed, anchor: int, g: int,
          temperature: float = 0.0, sampler: DraftSampler | None = None, position: int = 0
          ) -> tuple[list[int], list[torch.Tensor]]:
     """Left to right over g positions: greedy (temperature 0) the best candidate given the previous choice, else a
