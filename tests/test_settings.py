@@ -119,3 +119,23 @@ def test_speculative_config_is_parsed_once_per_llm(tiny_dir: Path, monkeypatch: 
     assert len(calls) == 1 and llm.spec.method == "ngram"
     other = llm.with_speculation({"method": "suffix"})
     assert len(calls) == 2 and other.spec.method == "suffix"
+
+
+def test_rope_tables_cover_max_model_len_and_greedy_output_stays_hf(tiny_dir: Path) -> None:
+    """The RoPE tables cover max_model_len positions, not the model's max_position_embeddings (64 MiB of tables at
+    Llama-3.2's 131,072 positions): the model holds what the context can reach, and a greedy continuation that ends
+    at the last position equals HF transformers' (which holds its own tables)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import CTX, hf_greedy
+    from verispec import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", max_model_len=48, progress=False)
+    assert llm.model.max_positions == 48 < CTX
+    ids = list(range(5, 21))
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                       use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32)
+    assert LLM(str(tiny_dir), dtype="float32", device="cpu", progress=False).model.max_positions == CTX

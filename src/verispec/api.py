@@ -77,19 +77,20 @@ class LLM:
         self.path_choice = self._choose_path(self.resolved, args.dtype, args.quantization, spec, args.progress,
                                              args.invariant)
         self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
-        self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, progress=args.progress,
-                                   quantization=self.quantization)
+        # K/V take 46 KB per position for the default model (fp32 on CPU); by default the paged cache holds
+        # max_num_seqs x max_model_len positions (as one slot per request did) up to DEFAULT_KV_CACHE_BYTES, so the
+        # default context is capped at DEFAULT_CONTEXT_CAP unless asked for more; kv_cache_memory_bytes sizes it by
+        # memory instead. The RoPE tables cover max_model_len positions, not the model's (Llama-3.2's 131,072 x 64
+        # pairs of float32 would be 64 MiB)
+        positions = ModelConfig.from_hf(read_config(self.resolved.directory)).max_position_embeddings
+        self.max_model_len = min(args.max_model_len or min(positions, DEFAULT_CONTEXT_CAP), positions)
+        self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, max_len=self.max_model_len,
+                                   progress=args.progress, quantization=self.quantization)
         self.model.kv_cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
         self._set_invariance(args.invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         cfg = self.model.cfg
-        # K/V take 46 KB per position for the default model (fp32 on CPU); by default the paged cache holds
-        # max_num_seqs x max_model_len positions (as one slot per request did) up to DEFAULT_KV_CACHE_BYTES, so the
-        # default context is capped at DEFAULT_CONTEXT_CAP unless asked for more; kv_cache_memory_bytes sizes it by
-        # memory instead
-        self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP),
-                                 cfg.max_position_embeddings)
         self.max_num_seqs = args.max_num_seqs
         self.scheduler = args.scheduler
         self.max_num_batched_tokens = args.max_num_batched_tokens

@@ -276,7 +276,7 @@ def load_model(
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
     _check_quantization(quantization, resolved, dtype, device)
     cfg = ModelConfig.from_hf(read_config(resolved.directory))
-    rope_len = max(cfg.max_position_embeddings, max_len or 0)
+    rope_len = max_len or cfg.max_position_embeddings  # the positions its RoPE tables (and so its caches) cover
     if quantization == "gguf-q8act":
         from verispec.models.gguf_direct import load_q8act_direct
 
