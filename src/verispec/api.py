@@ -74,7 +74,8 @@ class LLM:
         self.device = args.device or default_device()
         self.resolved = resolve(args.model, args.progress)
         spec = self._parse_speculation(args.speculative_config)  # bad input fails before anything loads
-        self.path_choice = self._choose_path(self.resolved, args.dtype, args.quantization, spec, args.progress,
+        cfg = ModelConfig.from_hf(read_config(self.resolved.directory))
+        self.path_choice = self._choose_path(self.resolved, cfg, args.dtype, args.quantization, spec, args.progress,
                                              args.invariant)
         self.dtype, self.quantization = self.path_choice.path.dtype, self.path_choice.path.quantization
         # K/V take 46 KB per position for the default model (fp32 on CPU); by default the paged cache holds
@@ -82,15 +83,14 @@ class LLM:
         # default context is capped at DEFAULT_CONTEXT_CAP unless asked for more; kv_cache_memory_bytes sizes it by
         # memory instead. The RoPE tables cover max_model_len positions, not the model's (Llama-3.2's 131,072 x 64
         # pairs of float32 would be 64 MiB)
-        positions = ModelConfig.from_hf(read_config(self.resolved.directory)).max_position_embeddings
-        self.max_model_len = min(args.max_model_len or min(positions, DEFAULT_CONTEXT_CAP), positions)
+        self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP),
+                                 cfg.max_position_embeddings)
         self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, max_len=self.max_model_len,
                                    progress=args.progress, quantization=self.quantization)
         self.model.kv_cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
         self._set_invariance(args.invariant)
         self.tokenizer = load_tokenizer(self.resolved)
-        cfg = self.model.cfg
         self.max_num_seqs = args.max_num_seqs
         self.scheduler = args.scheduler
         self.max_num_batched_tokens = args.max_num_batched_tokens
@@ -113,13 +113,12 @@ class LLM:
         # on this thread's next forward
         release_openmp_threads()
 
-    def _choose_path(self, resolved: ResolvedModel, dtype: str, quantization: str | None, spec: SpeculativeConfig,
-                     progress: bool, invariant: bool | None) -> PathChoice:
+    def _choose_path(self, resolved: ResolvedModel, cfg: ModelConfig, dtype: str, quantization: str | None,
+                     spec: SpeculativeConfig, progress: bool, invariant: bool | None) -> PathChoice:
         """The weight path: named by dtype / quantization, or measured for this machine when dtype="auto"
         (execution/autotune.py) for the blocks `spec` verifies; said on stderr when `progress` is on, and in
         every output's stats."""
         k = 0 if spec.method == "none" else spec.num_speculative_tokens
-        cfg = ModelConfig.from_hf(read_config(resolved.directory))
         from verispec.models.quantized import gguf_block_linears
 
         choice = resolve_path(dtype, quantization, self.device, cfg, gguf_has_int4_linears(resolved), k,
