@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from verispec.kernels.cpu_build import BODIES, KernelUnavailable
 from verispec.kernels.cpu_kernels import BODY_NAMES, load
-from verispec.kernels.kernel_choice import PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_LEVELS
+from verispec.kernels.kernel_choice import PREFETCH_CODES, PREFETCH_LEVELS, ROW_PREFETCH_CODES, ROW_PREFETCH_LEVELS
 
 try:
     LIB = load()
@@ -178,16 +178,21 @@ def test_the_pair_streams_prefetch_level_changes_no_bit(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_single_tile_streams_prefetch_level_changes_no_bit(kind: str) -> None:
     """Every vector body's single-tile streams (1 to 3 rows on the AVX-512 body, every row count on the AVX2 one)
-    fetched ahead into L1 and non-temporally: the portable body's bits, the loader's level back after the block."""
+    fetched ahead into L1, into L2 and non-temporally: the portable body's bits, and the level in force before the
+    block back after it (the C side reports the level in force and refuses one it does not have)."""
+    before = LIB.row_prefetch_now()
     for body in [b for b in LIB.bodies if b != "portable"]:
         for level in ROW_PREFETCH_LEVELS:
             with LIB.row_prefetching(level):
+                assert LIB.row_prefetch_now() == level
                 assert_portable_bits(kind, body, (1, 2, 3, 5), seed=6)
-    chosen = int(LIB.row_prefetch == "nta")
-    assert LIB.lib.vs_set_row_prefetch(chosen) == chosen
-    assert LIB.lib.vs_set_row_prefetch(2) == -1 and LIB.lib.vs_set_row_prefetch(-1) == -1
-    with pytest.raises(ValueError, match="not one of l1, nta"):
-        with LIB.row_prefetching("l2"):
+    assert LIB.row_prefetch_now() == before
+    code = ROW_PREFETCH_CODES[before]
+    assert LIB.lib.vs_set_row_prefetch(code) == code
+    assert LIB.lib.vs_set_row_prefetch(3) == -1 and LIB.lib.vs_set_row_prefetch(-1) == -1
+    assert LIB.row_prefetch_now() == before
+    with pytest.raises(ValueError, match="not one of l1, l2, nta"):
+        with LIB.row_prefetching("l3"):
             pass
 
 
@@ -227,13 +232,14 @@ def test_the_row_prefetch_level_is_timed_for_the_vector_bodies_kept_and_can_be_n
     lib = dataclasses.replace(LIB, body=vector[-1])
     monkeypatch.setenv(ROW_PREFETCH_ENV, "nta")
     assert choose_row_prefetch(lib) == ("nta", f"{ROW_PREFETCH_ENV}=nta")
-    monkeypatch.setenv(ROW_PREFETCH_ENV, "l2")  # a pair level, not a row level
-    with pytest.raises(KernelUnavailable, match="not one of l1, nta"):
+    monkeypatch.setenv(ROW_PREFETCH_ENV, "l3")
+    with pytest.raises(KernelUnavailable, match="not one of l1, l2, nta"):
         choose_row_prefetch(lib)
     monkeypatch.delenv(ROW_PREFETCH_ENV)
     monkeypatch.setattr(kernels, "machine_busy", lambda: False)
     level, why = choose_row_prefetch(lib, repeats=1, cache=tmp_path)
-    assert level in ROW_PREFETCH_LEVELS and "L1 " in why and "NTA " in why and "M = 1" in why
+    assert level in ROW_PREFETCH_LEVELS and all(f"{lv.upper()} " in why for lv in ROW_PREFETCH_LEVELS)
+    assert "one forward's linears at M = 1" in why
     kept, = (tmp_path / "kernels").glob("row-prefetch-*.json")
     assert json.loads(kept.read_text())["level"] == level
     other = "l1" if level == "nta" else "nta"  # a later start reads the file, not a new measurement
@@ -611,7 +617,10 @@ def test_default_model_outputs_say_which_matmul_body_ran(q8act) -> None:
     out = q8act.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.stats["quantization"] == "gguf-q8act" and out.stats["kernel_body"] == LIB.body
     assert out.stats.get("kernel_prefetch") == (LIB.prefetch if LIB.prefetch_choice else None)
-    assert out.stats.get("kernel_row_prefetch") == (LIB.row_prefetch if LIB.row_prefetch_choice else None)
+    # the one-row level in force: timed on the default model's own forwards (93 MiB: above stream_choice's bar)
+    timed = q8act.stream_choice.level if q8act.stream_choice is not None else LIB.row_prefetch
+    assert out.stats.get("kernel_row_prefetch") == (timed if LIB.row_prefetch_choice else None)
+    assert (q8act.stream_choice is not None) == bool(LIB.row_prefetch_choice)
     assert f"verispec's kernel: {BODY_NAMES[LIB.body]} body" in q8act.path_choice.describe()
 
 

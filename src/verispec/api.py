@@ -20,6 +20,7 @@ from verispec.engine.costs import MeasuredStepCosts, StepCosts
 from verispec.engine.scheduler import make_policy
 from verispec.execution.autotune import PathChoice, resolve_path
 from verispec.execution.invariance import linears_row_invariant
+from verispec.execution.stream_choice import choose_model_streams
 from verispec.execution.hidden_states import hidden_states
 from verispec.sampling.logprobs import vllm_logprobs
 from verispec.engine.profile import profile_costs, profile_step_costs
@@ -89,6 +90,11 @@ class LLM:
                                    progress=args.progress, quantization=self.quantization)
         self.model.kv_cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
+        self.stream_choice = choose_model_streams(self.model, hub.cache_dir())  # a model much larger than the
+        if self.stream_choice is not None:  # default one: the kernel's one-row prefetch timed on its own weights
+            log.info("%s", self.stream_choice.describe())
+            if args.progress:
+                print(f"verispec: {self.stream_choice.describe()}", file=sys.stderr, flush=True)
         self._set_invariance(args.invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         self.max_num_seqs = args.max_num_seqs

@@ -68,10 +68,10 @@ class PathChoice:
         lib = self._kernel()
         if lib:  # which of verispec's matmul bodies ran (the same bits in each)
             out["kernel_body"] = lib.body
-            if lib.prefetch_choice:  # where its pair streams were fetched ahead to (measured at load)
-                out["kernel_prefetch"] = lib.prefetch
+            if lib.prefetch_choice:  # where its pair streams were fetched ahead to (measured at load; the level in
+                out["kernel_prefetch"] = lib.prefetch_now()  # force: the machine's or the loaded model's)
             if lib.row_prefetch_choice:  # and its streams of fewer rows
-                out["kernel_row_prefetch"] = lib.row_prefetch
+                out["kernel_row_prefetch"] = lib.row_prefetch_now()
         return out
 
 

@@ -65,8 +65,7 @@ class Library:
                     if self.prefetch_choice else "")
         if self.row_prefetch_choice:
             rows = f"below {pairs} rows" if self.body == "avx512-vnni" else "weights fetched ahead"
-            prefetch += (f", {rows} {'non-temporally' if self.row_prefetch == 'nta' else 'into L1'} "
-                         f"({self.row_prefetch_choice})")
+            prefetch += f", {rows} {where_to(self.row_prefetch)} ({self.row_prefetch_choice})"
         return (f"{BODY_NAMES[self.body]} body{f' ({self.choice})' if self.choice else ''}{prefetch}, "
                 f"{'OpenMP' if self.openmp else 'one thread'}, built with {' '.join(self.flags)}")
 
@@ -113,12 +112,24 @@ class Library:
         """Inside the block the AVX-512 body's pair streams are fetched ahead to `level` ("l1", "l2" or "nta":
         non-temporally); after it, `self.prefetch` again. For benchmarks that compare them side by side (the bits
         are the same in each)."""
-        return _at_level(self.lib.vs_set_prefetch, PREFETCH_CODES, "prefetch", level, self.prefetch)
+        return _at_level(self.lib.vs_set_prefetch, PREFETCH_CODES, "prefetch", level)
 
     def row_prefetching(self, level: str) -> contextlib.AbstractContextManager[None]:
         """Inside the block the single-tile weight streams (fewer rows than a pair takes) are fetched ahead to
-        `level` ("l1" or "nta"); after it, `self.row_prefetch` again. For benchmarks (the bits are the same)."""
-        return _at_level(self.lib.vs_set_row_prefetch, ROW_PREFETCH_CODES, "row prefetch", level, self.row_prefetch)
+        `level` ("l1", "l2" or "nta"); after it, the level in force before. For benchmarks and for timing the
+        levels (the bits are the same)."""
+        return _at_level(self.lib.vs_set_row_prefetch, ROW_PREFETCH_CODES, "row prefetch", level)
+
+    def row_prefetch_now(self) -> str:
+        """The level the single-tile streams are fetched ahead to now: the machine's (`row_prefetch`), or the one
+        timed on a loaded model's own forwards (execution/stream_choice.py)."""
+        code = self.lib.vs_row_prefetch()
+        return next(name for name, c in ROW_PREFETCH_CODES.items() if c == code)
+
+    def prefetch_now(self) -> str:
+        """The level the AVX-512 body's pair streams are fetched ahead to now (as `row_prefetch_now`)."""
+        code = self.lib.vs_pair_prefetch()
+        return next(name for name, c in PREFETCH_CODES.items() if c == code)
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -155,16 +166,21 @@ class Library:
 
 
 @contextlib.contextmanager
-def _at_level(set_level: Callable[[int], int], codes: dict[str, int], what: str, level: str,
-              kept: str) -> Iterator[None]:
-    """`set_level(codes[level])` inside the block, `set_level(codes[kept])` after it."""
+def _at_level(set_level: Callable[[int], int], codes: dict[str, int], what: str, level: str) -> Iterator[None]:
+    """`set_level(codes[level])` inside the block; after it the level that was in force before (the setter
+    returns it)."""
     if level not in codes:
         raise ValueError(f"{what} level {level!r} is not one of {', '.join(codes)}")
-    set_level(codes[level])
+    was = set_level(codes[level])
     try:
         yield
     finally:
-        set_level(codes[kept])
+        set_level(was)
+
+
+def where_to(level: str) -> str:
+    """A prefetch level in words."""
+    return {"nta": "non-temporally", "l2": "into L2"}.get(level, "into L1")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -192,6 +208,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.vs_set_prefetch.restype = i32
     lib.vs_set_row_prefetch.argtypes = [i32]
     lib.vs_set_row_prefetch.restype = i32
+    for getter in (lib.vs_row_prefetch, lib.vs_pair_prefetch):
+        getter.argtypes = []
+        getter.restype = i32
     lib.vs_set_pair_rows.argtypes = [i32]
     lib.vs_set_pair_rows.restype = i32
     lib.vs_tile_bytes.argtypes = [i32]

@@ -6,8 +6,10 @@ choice is speed only, timed on this machine and said in every report (`Library.d
   (`choose_body`, or `VERISPEC_CPU_BODY`).
 - The AVX-512 body's pair streams (5 rows and more): L1, L2 or non-temporally, whichever is faster on the linears
   of one forward streamed from memory (`choose_prefetch`, or `VERISPEC_CPU_PREFETCH`).
-- The single-tile streams of fewer rows (both vector bodies): L1 or non-temporally, whichever makes a one-row
-  forward and the small work a step does after it faster (`choose_row_prefetch`, or `VERISPEC_CPU_ROW_PREFETCH`).
+- The single-tile streams of fewer rows (both vector bodies): L1, L2 or non-temporally, whichever makes a
+  one-row forward and the small work a step does after it faster (`choose_row_prefetch`, or
+  `VERISPEC_CPU_ROW_PREFETCH`); timed again on a loaded model's own weights where they are much larger than the
+  default model's (execution/stream_choice.py).
 
 The prefetch choices are kept in the cache per machine (CPU, threads, kernel source), so only the first start pays
 for them. `library` below is a loaded `cpu_kernels.Library` (not imported here: cpu_kernels imports this module).
@@ -35,8 +37,8 @@ PREFETCH_LEVELS = ("l1", "l2", "nta")
 PREFETCH_CODES = {"l1": 0, "l2": 1, "nta": 2}
 PREFETCH_ENV = "VERISPEC_CPU_PREFETCH"  # names the level instead of timing the levels
 # where the vector bodies' single-tile streams (fewer rows) are fetched ahead to (vs_set_row_prefetch)
-ROW_PREFETCH_LEVELS = ("l1", "nta")
-ROW_PREFETCH_CODES = {"l1": 0, "nta": 1}
+ROW_PREFETCH_LEVELS = PREFETCH_LEVELS
+ROW_PREFETCH_CODES = PREFETCH_CODES
 ROW_PREFETCH_ENV = "VERISPEC_CPU_ROW_PREFETCH"  # names the level instead of timing the levels
 Weights = list[tuple[torch.Tensor, str, int, int]]  # (tiles, kind, N, K) per weight
 
@@ -48,14 +50,15 @@ BODY_ROWS = (1, 8)
 
 def _fastest(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Seconds of each arm's fastest of `repeats` rounds, the arms interleaved, after one warm-up round (packing,
-    allocator, thread pool): another process stealing the CPU slows a round, never speeds one."""
+    allocator, thread pool): another process stealing the CPU slows a round, never speeds one. An arm that returns
+    a float has timed itself (the part after its own warm-up: e.g. after the caches another arm left)."""
     best = dict.fromkeys(arms, float("inf"))
     for r in range(repeats + 1):
         for name, run in arms.items():
             t0 = time.perf_counter()
-            run()
+            got = run()
             if r:
-                best[name] = min(best[name], time.perf_counter() - t0)
+                best[name] = min(best[name], got if isinstance(got, float) else time.perf_counter() - t0)
     return best
 
 
@@ -94,10 +97,19 @@ PREFETCH_MARGIN = 0.02  # L2 must be this much faster to replace L1, the first c
 
 
 # the weights one forward of the default model streams: per layer q|k|v, o, gate|up and down as Q4_1 [N, K], then
-# the Q8_0 head (93 MiB in all, more than a CPU's last-level cache, as the model's own weights are)
+# the Q8_0 head (93 MiB in all: more than many CPUs' last-level cache, as the model's own weights are, but not all:
+# a Xeon with a 260 MB L3 holds them, and there a level is timed on weights read from cache)
 FORWARD_LAYERS = 30
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 HEAD_SHAPE = (49152, 576)
+
+
+def forward_bytes(library: Any) -> int:
+    """The bytes `forward_weights` streams (without making them)."""
+    def size(kind: str, n: int, k: int) -> int:
+        return -(-n // 8) * (k // 32) * library.lib.vs_tile_bytes(KINDS[kind])
+
+    return FORWARD_LAYERS * sum(size("Q4_1", n, k) for n, k in LAYER_SHAPES) + size("Q8_0", *HEAD_SHAPE)
 
 
 def forward_weights(library: Any) -> Weights:
@@ -140,7 +152,7 @@ def _keep_level(file: Path | None, level: str, why: str) -> None:
         tmp.replace(file)
 
 
-def _measured_level(run: Callable[[str], None], levels: tuple[str, ...], repeats: int, file: Path | None,
+def _measured_level(run: Callable[[str], object], levels: tuple[str, ...], repeats: int, file: Path | None,
                     digits: int, what: str) -> tuple[str, str]:
     """(level, why): `run(level)` timed for each of `levels` (`_fastest`); the fastest, where it beats "l1" (the
     build's first choice) by PREFETCH_MARGIN, else "l1"; kept in `file` (`_keep_level`)."""
@@ -164,27 +176,42 @@ def choose_prefetch(library: Any, repeats: int = 3, cache: Path | None = None,
     pay nothing; a busy machine's measurement is used but not kept. Each level gives the same bits.
     `VERISPEC_CPU_PREFETCH` (l1, l2, nta) names one instead. `weights`: makes `forward_weights` (shared at load
     with `choose_row_prefetch`, so the 93 MiB are made once and only where a level is measured)."""
-    if library.body != "avx512-vnni":
-        return "l1", ""
-    file = None if cache is None else cache / "kernels" / f"prefetch-{_prefetch_key()}.json"
-    if known := _known_level(PREFETCH_ENV, PREFETCH_LEVELS, file):
-        return known
-    weights = weights() if weights is not None else forward_weights(library)
-    xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-          for m in PREFETCH_ROWS for k in {k for *_, k in weights}}
-    outs = {(m, n): torch.empty(m, n) for m in PREFETCH_ROWS for _, _, n, _ in weights}
+    @functools.cache
+    def inputs():  # made only where a level is measured
+        ws = weights() if weights is not None else forward_weights(library)
+        xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+              for m in PREFETCH_ROWS for k in {k for *_, k in ws}}
+        return ws, xs, {(m, n): torch.empty(m, n) for m in PREFETCH_ROWS for _, _, n, _ in ws}
 
     def run(level: str) -> None:
+        ws, xs, outs = inputs()
         with library.prefetching(level):
             for m in PREFETCH_ROWS:
-                for raw, kind, n, k in weights:
+                for raw, kind, n, k in ws:
                     library.linear(raw, kind, n, k, xs[m, k], outs[m, n])
 
-    return _measured_level(run, PREFETCH_LEVELS, repeats, file, 1,
-                           f"one forward's linears at M = {'/'.join(map(str, PREFETCH_ROWS))}")
+    return choose_level_by(library, True, run, repeats, cache,
+                           what=f"one forward's linears at M = {'/'.join(map(str, PREFETCH_ROWS))}", digits=1)
 
 
-class _StepProbe:
+def choose_level_by(library: Any, pair: bool, run: Callable[[str], object], repeats: int, cache: Path | None,
+                    what: str, scope: str = "", digits: int = 2) -> tuple[str, str]:
+    """(where the pair streams (`pair`) or the single-tile streams are fetched ahead to, why): the level the
+    environment names, else one kept in `cache` for this machine (and `scope`: e.g. a model's size), else the
+    fastest of `run(level)` (which sets the level it times; it may time itself, as `_fastest` says), kept as
+    `_measured_level` does;
+    ("l1", "") where those streams do not run (no AVX-512 body for pairs, no vector body for rows)."""
+    if library.body not in (("avx512-vnni",) if pair else ("avx2", "avx512-vnni")):
+        return "l1", ""
+    stem, env = ("prefetch", PREFETCH_ENV) if pair else ("row-prefetch", ROW_PREFETCH_ENV)
+    key = _prefetch_key() if pair else _prefetch_key(library.body)
+    file = None if cache is None else cache / "kernels" / f"{stem}-{key}{f'-{scope}' if scope else ''}.json"
+    if known := _known_level(env, PREFETCH_LEVELS, file):
+        return known
+    return _measured_level(run, PREFETCH_LEVELS, repeats, file, digits, what)
+
+
+class StepProbe:
     """The kind of small work an engine step does after its forward, on state of its own: a few torch ops on small
     tensors, an embedding row looked up, an argmax and an exp-sum over a vocabulary row through numpy. Fast where
     its code and data are still cached, several times slower where a forward's weight stream evicted them."""
@@ -207,30 +234,28 @@ class _StepProbe:
 def choose_row_prefetch(library: Any, repeats: int = 7, cache: Path | None = None,
                         weights: Callable[[], Weights] | None = None) -> tuple[str, str]:
     """(where the vector bodies' single-tile streams of fewer rows are fetched ahead to, the timings that say so);
-    ("l1", "") where no vector body runs. Into L1 (the build's first choice) or non-temporally: which is faster
-    depends on what the CPU does with non-temporal lines, and shows on a forward's stream from memory and on what
-    it evicts. So both are timed on the linears of one forward of the default model at one row followed by a small
-    step's work (`_StepProbe`), interleaved, the fastest of `repeats` rounds each (about 0.1 s); kept per machine
-    as `choose_prefetch`'s choice is. Each level gives the same bits. `VERISPEC_CPU_ROW_PREFETCH` (l1, nta) names
-    one instead. `weights`: as `choose_prefetch`'s."""
-    if library.body not in ("avx2", "avx512-vnni"):
-        return "l1", ""
-    file = None if cache is None else cache / "kernels" / f"row-prefetch-{_prefetch_key(library.body)}.json"
-    if known := _known_level(ROW_PREFETCH_ENV, ROW_PREFETCH_LEVELS, file):
-        return known
-    weights = weights() if weights is not None else forward_weights(library)
-    xs = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(k)) for *_, k in weights}
-    outs = {n: torch.empty(1, n) for _, _, n, _ in weights}
-    probe = _StepProbe()
+    ("l1", "") where no vector body runs. Into L1 (the build's first choice), L2 or non-temporally: which is
+    faster depends on the CPU's prefetchers, on where the weights come from (memory or the last-level cache) and on
+    what a non-temporal stream spares. So the levels are timed on the linears of one forward of the default model
+    at one row followed by a small step's work (`StepProbe`), interleaved, the fastest of `repeats` rounds each
+    (about 0.1 s); kept per machine as `choose_prefetch`'s choice is. Each level gives the same bits.
+    `VERISPEC_CPU_ROW_PREFETCH` (l1, l2, nta) names one instead. A loaded model's own forwards are timed again by
+    execution/stream_choice.py (these linears, one call each, are not a fused forward)."""
+    @functools.cache
+    def inputs():  # made only where a level is measured
+        ws = weights() if weights is not None else forward_weights(library)
+        xs = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(k)) for *_, k in ws}
+        return ws, xs, {n: torch.empty(1, n) for _, _, n, _ in ws}, StepProbe()
 
     def run(level: str) -> None:
+        ws, xs, outs, probe = inputs()
         with library.row_prefetching(level):
-            for raw, kind, n, k in weights:
+            for raw, kind, n, k in ws:
                 library.linear(raw, kind, n, k, xs[k], outs[n])
             probe()
 
-    return _measured_level(run, ROW_PREFETCH_LEVELS, repeats, file, 2,
-                           "one forward's linears at M = 1 and a small step's work after them")
+    return choose_level_by(library, False, run, repeats, cache,
+                           what="one forward's linears at M = 1 and a small step's work after them")
 
 
 def _prefetch_key(body: str = "avx512-vnni") -> str:

@@ -355,11 +355,11 @@ static void gemm_ref(const uint8_t *w, int kind, const qrows *x, int64_t M, int6
 
 /* where the weight streams are fetched ahead to. The AVX-512 body's pair streams (4 rows and more; vs_set_prefetch):
  * 0 into L1 (T0), 1 into L2 (T1), 2 non-temporal (NTA). The single-tile streams of fewer rows, both vector bodies
- * (vs_set_row_prefetch): 0 into L1, 1 non-temporal. Non-temporal, a CPU may keep the ~100 MB of weights a forward
+ * (vs_set_row_prefetch): the same three. Non-temporal, a CPU may keep the ~100 MB of weights a forward
  * reads from displacing what its caches held: the KV cache, and the Python and torch code and data a step runs
  * after its forward (on a 2-core Zen 4 the first small torch op after a forward took 62 us with T0 against 34 with
  * NTA, 4 warm). Only the speed changes, never a bit */
-static int prefetch_level = 0, row_prefetch_nta = 0;
+static int prefetch_level = 0, row_prefetch_level = 0;
 
 #ifdef VS_AVX2
 /* the `bytes` at p fetched ahead: level 0 into L1 (T0), 1 into L2 (T1), 2 non-temporally (NTA); a line at a time */
@@ -571,7 +571,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
             const uint8_t *t = tile_at(w, kind, nb, g, b), *qs = t + quant_off(kind, b);
             const int64_t bb = kquant(kind) ? TILE_BYTES[kind] / 8 : TILE_BYTES[kind]; /* bytes per block */
 #if PF_ROW_TILES
-            fetch_ahead(qs + PF_ROW_TILES * bb, bb, row_prefetch_nta ? 2 : 0);
+            fetch_ahead(qs + PF_ROW_TILES * bb, bb, row_prefetch_level);
 #endif
             __m256i wv[8], sa = _mm256_setzero_si256(), sb = sa, ca = sa, cb = sa;
             __m256 d, m = _mm256_setzero_ps();
@@ -601,7 +601,7 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *w, co
         }
         const uint8_t *tp = w + (g * nb + b) * tb;
 #if PF_ROW_TILES
-        fetch_ahead(tp + PF_ROW_TILES * tb, tb, row_prefetch_nta ? 2 : 0);
+        fetch_ahead(tp + PF_ROW_TILES * tb, tb, row_prefetch_level);
 #endif
         __m256i wv[8], wabs[8];
         if (kind == Q8_0) {
@@ -1360,12 +1360,15 @@ int vs_set_pair_rows(int rows) {
 #endif
 }
 
-/* where the single-tile streams (fewer rows than a pair takes) are fetched ahead to (0 L1, 1 non-temporal);
+/* where the single-tile streams (fewer rows than a pair takes) are fetched ahead to (0 L1, 1 L2, 2 non-temporal);
  * returns the level before, or -1 for another level (nothing set). Only the speed changes, never a bit */
-int vs_set_row_prefetch(int nta) {
-    if (nta < 0 || nta > 1) return -1;
-    const int was = row_prefetch_nta;
-    row_prefetch_nta = nta;
+int vs_row_prefetch(void) { return row_prefetch_level; } /* the levels in force */
+int vs_pair_prefetch(void) { return prefetch_level; }
+
+int vs_set_row_prefetch(int level) {
+    if (level < 0 || level > 2) return -1;
+    const int was = row_prefetch_level;
+    row_prefetch_level = level;
     return was;
 }
 
