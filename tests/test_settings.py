@@ -139,3 +139,11 @@ def test_rope_tables_cover_max_model_len_and_greedy_output_stays_hf(tiny_dir: Pa
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
     assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32)
     assert LLM(str(tiny_dir), dtype="float32", device="cpu", progress=False).model.max_positions == CTX
+    # a draft model's tables too: the context's, and its greedy speculative output is the target's plain one
+    spec = llm.with_speculation({"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3})
+    assert spec.drafters.draft_model.max_positions == 48
+    again = spec.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert LLM(str(tiny_dir), dtype="float32", device="cpu", max_model_len=CTX + 100,
+               progress=False).model.max_positions == CTX  # never past the model's own positions

@@ -51,7 +51,8 @@ class DrafterFactory:
 
             assert target is not None
             dtype = cfg.draft_dtype or target.dtype
-            self.draft_model, resolved = load_model(cfg.model, dtype=dtype, device=target.device, progress=False)
+            self.draft_model, resolved = load_model(cfg.model, dtype=dtype, device=target.device, max_len=max_len,
+                                                    progress=False)  # RoPE tables for the context, not the model's
             check_compatible(target, self.draft_model, target_tokenizer, load_tokenizer(resolved))
             if cfg.draft_tree:
                 self.draft_model.cfg.check_tree_depth(cfg.num_speculative_tokens, "the draft model")

@@ -276,7 +276,8 @@ def load_model(
     resolved = model if isinstance(model, ResolvedModel) else resolve(model, progress)
     _check_quantization(quantization, resolved, dtype, device)
     cfg = ModelConfig.from_hf(read_config(resolved.directory))
-    rope_len = max_len or cfg.max_position_embeddings  # the positions its RoPE tables (and so its caches) cover
+    # the positions its RoPE tables (and so its caches) cover: the context asked for, at most the model's own
+    rope_len = min(max_len, cfg.max_position_embeddings) if max_len else cfg.max_position_embeddings
     if quantization == "gguf-q8act":
         from verispec.models.gguf_direct import load_q8act_direct
 
