@@ -346,10 +346,33 @@ def _check_quantization(quantization: str | None, resolved: ResolvedModel, dtype
 
 
 def load_tokenizer(resolved: ResolvedModel):
-    """The checkpoint's tokenizer, or None when the directory has none (token-id prompts still work)."""
+    """The checkpoint's tokenizer, or None when the directory has none (token-id prompts still work).
+
+    A GGUF's converted directory holds the tokenizer transformers' AutoTokenizer made from the file, saved under its
+    class's name (`_convert_config`): that class loads it directly. AutoTokenizer would first read the model's
+    config, which imports the model family's modelling stack: for the default model (Llama) accelerate, sympy and
+    the hub-kernels integration, about 700 modules and 54 MiB of the 111 MiB its tokenizer cost a process. Hub
+    directories go through AutoTokenizer, whose corrections for mislabelled hub tokenizers they may need."""
     d = resolved.directory
     if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")):
         return None
+    saved = _saved_tokenizer_class(d) if resolved.gguf is not None else None
+    if saved is not None:
+        return saved.from_pretrained(str(d))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(d))
+
+
+def _saved_tokenizer_class(directory: Path):
+    """The tokenizer class a converted directory's tokenizer_config.json names, or None (none named, or unknown to
+    this transformers)."""
+    try:
+        name = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(name, str):
+        return None
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    return tokenizer_class_from_name(name)
