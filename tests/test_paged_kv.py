@@ -211,3 +211,30 @@ def test_peak_counts_the_most_blocks_in_tables_at_once():
     e, f = pool.take(), pool.take()
     assert pool.num_used == 4 and pool.peak_used == 4
     assert len({a, d, e, f}) == 4
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="RSS is read from /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_cache_takes_memory_as_positions_are_written_not_for_its_capacity(dtype: torch.dtype) -> None:
+    """256 MiB of K/V (float32; half of it in 16-bit) allocated: zero everywhere, and the process's RSS grows by a
+    few MiB, not by the capacity; writing one block per sequence takes those blocks' pages only. The slot cache
+    (state/kv_cache.py) the same. torch.zeros would take it all at once (this test fails with it)."""
+    from verispec.state.kv_cache import KVCache
+
+    before = _rss_mib()
+    c = PagedKVCache(num_layers=16, num_kv_heads=4, head_dim=64, max_len=4096, num_blocks=4096, block_size=16,
+                     num_slots=4, dtype=dtype)
+    capacity = sum(t.numel() * t.element_size() for t in c.k + c.v) / 2**20
+    assert capacity >= 128 and _rss_mib() - before < 16
+    for t in (c.k[0], c.v[-1]):  # zero where read, without a page of it being taken
+        assert t.dtype == dtype and t.is_contiguous() and not t[0, :, ::997].any()
+    for layer in range(16):
+        c.k[layer][0, :, :16] = 1.0  # one block of every head
+    assert _rss_mib() - before < 16 and float(c.k[3][0, 2, :16].float().sum()) == 16 * 64
+    slots = KVCache(num_layers=16, num_kv_heads=4, head_dim=64, max_len=4096, num_slots=4, dtype=dtype)
+    assert _rss_mib() - before < 24 and not slots.v[5][3, 1].any()

@@ -11,10 +11,29 @@ Per slot, two counters:
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
+
+
+def zeroed(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose CPU memory is only taken as it is written: an anonymous mapping's pages are zero until
+    first touched, where torch.zeros writes every byte at once. A cache sized for every sequence at its longest
+    (the default engine's: 754 MB of K/V for the default model) then costs the process the positions in use, not
+    its capacity. Huge pages are declined for it: each sequence's first block per head would fault in 2 MB (the
+    layout puts the heads' spans megabytes apart). Zero bits are 0.0 in every float format."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, n)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(*shape)  # keeps `pages` alive
 
 
 def rows_move(rows: Sequence[int], pending: int) -> bool:
@@ -49,8 +68,8 @@ class KVCache:
         if max_len <= 0 or num_slots <= 0:
             raise ValueError("max_len and num_slots must be positive")
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeroed(shape, dtype, device) for _ in range(num_layers)]
         self.max_len = max_len
         self.slots = [SlotState() for _ in range(num_slots)]
 

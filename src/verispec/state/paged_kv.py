@@ -31,7 +31,7 @@ import torch
 from verispec.config import DEFAULT_BLOCK_SIZE
 from verispec.state.block_features import BlockFeatures
 from verispec.state.block_pool import ROOT, BlockPool, BlocksExhausted, block_hash
-from verispec.state.kv_cache import CacheFullError, rows_move
+from verispec.state.kv_cache import CacheFullError, rows_move, zeroed
 
 
 class OutOfBlocks(CacheFullError):
@@ -62,8 +62,8 @@ class PagedKVCache:
         self.block_size, self.max_len, self.prefix_caching = block_size, max_len, prefix_caching
         self.span = num_blocks * block_size  # positions per head along the pool's axis
         shape = (1, num_kv_heads, self.span, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeroed(shape, dtype, device) for _ in range(num_layers)]
         self.slots = [SeqState() for _ in range(num_slots)]
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
