@@ -147,3 +147,25 @@ def test_rope_tables_cover_max_model_len_and_greedy_output_stays_hf(tiny_dir: Pa
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
     assert LLM(str(tiny_dir), dtype="float32", device="cpu", max_model_len=CTX + 100,
                progress=False).model.max_positions == CTX  # never past the model's own positions
+
+
+def test_a_kv_cache_larger_than_the_available_memory_fails_at_build_naming_the_settings(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's pages are taken as positions are written, so a too-large one is refused when the LLM is built
+    (not killed for memory later), naming what sized it; one that fits builds."""
+    import os
+
+    import verispec.api as api
+    from verispec.kernels.cpu import memory_available
+
+    got = memory_available()
+    if os.path.exists("/proc/meminfo"):  # Linux says: at most the physical memory
+        assert got is not None and 0 < got <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(api, "memory_available", lambda: 1 << 20)  # 1 MiB available
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=67108864\) but this machine has 0.00 GiB"):
+        api.LLM(str(tiny_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, progress=False)
+    monkeypatch.setattr(api, "memory_available", lambda: 0)
+    with pytest.raises(ValueError, match=r"max_num_seqs=4 x max_model_len=64\) but"):
+        api.LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=4, max_model_len=64, progress=False)
+    monkeypatch.setattr(api, "memory_available", lambda: 1 << 40)
+    assert api.LLM(str(tiny_dir), dtype="float32", device="cpu", max_model_len=64, progress=False).cache is not None

@@ -26,6 +26,7 @@ from verispec.sampling.logprobs import vllm_logprobs
 from verispec.engine.profile import profile_costs, profile_step_costs
 from verispec.sampling import SamplingParams
 from verispec.sampling.processor import ProcessorFactory
+from verispec.kernels.cpu import memory_available
 from verispec.kernels.threads import release_openmp_threads
 from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
@@ -272,8 +273,23 @@ class LLM:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV block "
                                  f"({per_block} bytes each)")
+        self._check_kv_fits(num_blocks * per_block)
         return self.model.new_paged_cache(self.max_model_len, num_blocks, B, self.max_num_seqs,
                                           self.enable_prefix_caching)
+
+    def _check_kv_fits(self, nbytes: int) -> None:
+        """A CPU cache larger than the memory the machine has available fails here, naming the settings, not
+        later: its pages are only taken as positions are written (state/kv_cache.py's `zeroed`), so without this a
+        cache too large would start, then be killed for memory under load."""
+        if torch.device(self.device).type != "cpu":
+            return
+        available = memory_available()
+        if available is not None and nbytes > available:
+            how = (f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}" if self.kv_cache_memory_bytes is not None
+                   else f"max_num_seqs={self.max_num_seqs} x max_model_len={self.max_model_len}")
+            raise ValueError(f"the KV cache needs {nbytes / 2**30:.2f} GiB ({how}) but this machine has "
+                             f"{available / 2**30:.2f} GiB available: lower kv_cache_memory_bytes, max_model_len or "
+                             f"max_num_seqs")
 
     @property
     def scheduler_name(self) -> str:

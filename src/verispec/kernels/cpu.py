@@ -55,3 +55,16 @@ def machine_busy() -> bool:
         return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
     except (AttributeError, OSError):
         return False
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (/proc/meminfo's MemAvailable), or None where it
+    does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
