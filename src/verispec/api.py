@@ -91,8 +91,9 @@ class LLM:
                                    progress=args.progress, quantization=self.quantization)
         self.model.kv_cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         self.kv_cache_dtype = str(self.model.kv_dtype).removeprefix("torch.")
-        self.stream_choice = choose_model_streams(self.model, hub.cache_dir())  # a model much larger than the
-        if self.stream_choice is not None:  # default one: the kernel's one-row prefetch timed on its own weights
+        # the kernel's one-row prefetch level timed on this model's own forwards (models of 32 MiB and more)
+        self.stream_choice = choose_model_streams(self.model, hub.cache_dir())
+        if self.stream_choice is not None:
             log.info("%s", self.stream_choice.describe())
             if args.progress:
                 print(f"verispec: {self.stream_choice.describe()}", file=sys.stderr, flush=True)

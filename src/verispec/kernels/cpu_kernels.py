@@ -110,8 +110,8 @@ class Library:
 
     def prefetching(self, level: str) -> contextlib.AbstractContextManager[None]:
         """Inside the block the AVX-512 body's pair streams are fetched ahead to `level` ("l1", "l2" or "nta":
-        non-temporally); after it, `self.prefetch` again. For benchmarks that compare them side by side (the bits
-        are the same in each)."""
+        non-temporally); after it, the level in force before. For benchmarks that compare them side by side (the
+        bits are the same in each)."""
         return _at_level(self.lib.vs_set_prefetch, PREFETCH_CODES, "prefetch", level)
 
     def row_prefetching(self, level: str) -> contextlib.AbstractContextManager[None]:

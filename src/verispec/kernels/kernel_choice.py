@@ -8,8 +8,8 @@ choice is speed only, timed on this machine and said in every report (`Library.d
   of one forward streamed from memory (`choose_prefetch`, or `VERISPEC_CPU_PREFETCH`).
 - The single-tile streams of fewer rows (both vector bodies): L1, L2 or non-temporally, whichever makes a
   one-row forward and the small work a step does after it faster (`choose_row_prefetch`, or
-  `VERISPEC_CPU_ROW_PREFETCH`); timed again on a loaded model's own weights where they are much larger than the
-  default model's (execution/stream_choice.py).
+  `VERISPEC_CPU_ROW_PREFETCH`); timed again on a loaded model's own one-row forwards where its weights reach 32
+  MiB (execution/stream_choice.py: separate linears are not a fused forward).
 
 The prefetch choices are kept in the cache per machine (CPU, threads, kernel source), so only the first start pays
 for them. `library` below is a loaded `cpu_kernels.Library` (not imported here: cpu_kernels imports this module).
@@ -199,8 +199,8 @@ def choose_level_by(library: Any, pair: bool, run: Callable[[str], object], repe
     """(where the pair streams (`pair`) or the single-tile streams are fetched ahead to, why): the level the
     environment names, else one kept in `cache` for this machine (and `scope`: e.g. a model's size), else the
     fastest of `run(level)` (which sets the level it times; it may time itself, as `_fastest` says), kept as
-    `_measured_level` does;
-    ("l1", "") where those streams do not run (no AVX-512 body for pairs, no vector body for rows)."""
+    `_measured_level` does. ("l1", "") where those streams do not run (no AVX-512 body for pairs, no vector body
+    for rows)."""
     if library.body not in (("avx512-vnni",) if pair else ("avx2", "avx512-vnni")):
         return "l1", ""
     stem, env = ("prefetch", PREFETCH_ENV) if pair else ("row-prefetch", ROW_PREFETCH_ENV)

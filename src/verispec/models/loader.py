@@ -368,9 +368,10 @@ def _saved_tokenizer_class(directory: Path):
     """The tokenizer class a converted directory's tokenizer_config.json names, or None (none named, or unknown to
     this transformers)."""
     try:
-        name = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        saved = json.loads((directory / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return None
+    name = saved.get("tokenizer_class") if isinstance(saved, dict) else None
     if not isinstance(name, str):
         return None
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
