@@ -156,16 +156,17 @@ def test_a_kv_cache_larger_than_the_available_memory_fails_at_build_naming_the_s
     import os
 
     import verispec.api as api
+    import verispec.state.kv_cache as kv_cache
     from verispec.kernels.cpu import memory_available
 
     got = memory_available()
     if os.path.exists("/proc/meminfo"):  # Linux says: at most the physical memory
         assert got is not None and 0 < got <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    monkeypatch.setattr(api, "memory_available", lambda: 1 << 20)  # 1 MiB available
+    monkeypatch.setattr(kv_cache, "memory_available", lambda: 1 << 20)  # 1 MiB available
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=67108864\) but this machine has 0.00 GiB"):
         api.LLM(str(tiny_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, progress=False)
-    monkeypatch.setattr(api, "memory_available", lambda: 0)
+    monkeypatch.setattr(kv_cache, "memory_available", lambda: 0)
     with pytest.raises(ValueError, match=r"max_num_seqs=4 x max_model_len=64\) but"):
         api.LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=4, max_model_len=64, progress=False)
-    monkeypatch.setattr(api, "memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(kv_cache, "memory_available", lambda: 1 << 40)
     assert api.LLM(str(tiny_dir), dtype="float32", device="cpu", max_model_len=64, progress=False).cache is not None

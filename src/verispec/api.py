@@ -26,8 +26,8 @@ from verispec.sampling.logprobs import vllm_logprobs
 from verispec.engine.profile import profile_costs, profile_step_costs
 from verispec.sampling import SamplingParams
 from verispec.sampling.processor import ProcessorFactory
-from verispec.kernels.cpu import memory_available
 from verispec.kernels.threads import release_openmp_threads
+from verispec.state.kv_cache import check_fits
 from verispec.execution.verify import AcceptanceConfig
 from verispec.models import hub
 from verispec.models.hub import DEFAULT_MODEL
@@ -55,6 +55,13 @@ def default_device() -> str:
 # defaults to a few GiB): requests then share it and the newest is preempted when it runs out.
 DEFAULT_KV_CACHE_BYTES = 4 << 30
 DEFAULT_CONTEXT_CAP = 4096  # max_model_len when none is given: the model's own, at most this
+
+
+def _say(text: str, progress: bool) -> None:
+    """A choice made while building: logged, and said on stderr as "verispec: ..." when `progress` is on."""
+    log.info("%s", text)
+    if progress:
+        print(f"verispec: {text}", file=sys.stderr, flush=True)
 
 
 class LLM:
@@ -94,9 +101,7 @@ class LLM:
         # the kernel's one-row prefetch level timed on this model's own forwards (models of 32 MiB and more)
         self.stream_choice = choose_model_streams(self.model, hub.cache_dir())
         if self.stream_choice is not None:
-            log.info("%s", self.stream_choice.describe())
-            if args.progress:
-                print(f"verispec: {self.stream_choice.describe()}", file=sys.stderr, flush=True)
+            _say(self.stream_choice.describe(), args.progress)
         self._set_invariance(args.invariant)
         self.tokenizer = load_tokenizer(self.resolved)
         self.max_num_seqs = args.max_num_seqs
@@ -132,9 +137,7 @@ class LLM:
         choice = resolve_path(dtype, quantization, self.device, cfg, gguf_has_int4_linears(resolved), k,
                               cache=hub.cache_dir(), invariant_only=bool(invariant),
                               gguf_blocks=gguf_block_linears(resolved.gguf))
-        log.info("%s", choice.describe())
-        if progress and not choice.explicit:
-            print(f"verispec: {choice.describe()}", file=sys.stderr, flush=True)
+        _say(choice.describe(), progress and not choice.explicit)
         return choice
 
     def _set_invariance(self, invariant: bool | None) -> None:
@@ -152,12 +155,9 @@ class LLM:
         self.model.batch_invariant = measured if invariant is None else invariant
         if invariant is None and not measured:  # a path that breaks bitwise identity is never chosen silently
             bad = ", ".join(n for n, ok in self.linear_invariance.items() if not ok)
-            msg = (f"verispec: the {self.path_choice.path.name} path is not batch-invariant on this machine "
-                   f"({bad} round a row differently by batch size): greedy speculative output equals plain only up "
-                   f"to near-ties; invariant=True (--invariant) refuses such a path")
-            log.info("%s", msg)
-            if self.args.progress:
-                print(msg, file=sys.stderr, flush=True)
+            _say(f"the {self.path_choice.path.name} path is not batch-invariant on this machine ({bad} round a row "
+                 f"differently by batch size): greedy speculative output equals plain only up to near-ties; "
+                 f"invariant=True (--invariant) refuses such a path", self.args.progress)
 
     def _parse_speculation(self, speculative_config: Mapping[str, Any] | SpeculativeConfig | None
                            ) -> SpeculativeConfig:
@@ -269,28 +269,15 @@ class LLM:
         per_request = -(-self.max_model_len // B)
         if self.kv_cache_memory_bytes is None:
             num_blocks = max(per_request, min(self.max_num_seqs * per_request, DEFAULT_KV_CACHE_BYTES // per_block))
+            how = f"max_num_seqs={self.max_num_seqs} x max_model_len={self.max_model_len}"
         else:
             num_blocks = self.kv_cache_memory_bytes // per_block
+            how = f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}"
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV block "
-                                 f"({per_block} bytes each)")
-        self._check_kv_fits(num_blocks * per_block)
+                raise ValueError(f"{how} holds no KV block ({per_block} bytes each)")
+        check_fits(num_blocks * per_block, self.device, how)
         return self.model.new_paged_cache(self.max_model_len, num_blocks, B, self.max_num_seqs,
                                           self.enable_prefix_caching)
-
-    def _check_kv_fits(self, nbytes: int) -> None:
-        """A CPU cache larger than the memory the machine has available fails here, naming the settings, not
-        later: its pages are only taken as positions are written (state/kv_cache.py's `zeroed`), so without this a
-        cache too large would start, then be killed for memory under load."""
-        if torch.device(self.device).type != "cpu":
-            return
-        available = memory_available()
-        if available is not None and nbytes > available:
-            how = (f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}" if self.kv_cache_memory_bytes is not None
-                   else f"max_num_seqs={self.max_num_seqs} x max_model_len={self.max_model_len}")
-            raise ValueError(f"the KV cache needs {nbytes / 2**30:.2f} GiB ({how}) but this machine has "
-                             f"{available / 2**30:.2f} GiB available: lower kv_cache_memory_bytes, max_model_len or "
-                             f"max_num_seqs")
 
     @property
     def scheduler_name(self) -> str:

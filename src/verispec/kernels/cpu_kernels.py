@@ -123,13 +123,11 @@ class Library:
     def row_prefetch_now(self) -> str:
         """The level the single-tile streams are fetched ahead to now: the machine's (`row_prefetch`), or the one
         timed on a loaded model's own forwards (execution/stream_choice.py)."""
-        code = self.lib.vs_row_prefetch()
-        return next(name for name, c in ROW_PREFETCH_CODES.items() if c == code)
+        return _level_name(self.lib.vs_row_prefetch(), ROW_PREFETCH_CODES)
 
     def prefetch_now(self) -> str:
         """The level the AVX-512 body's pair streams are fetched ahead to now (as `row_prefetch_now`)."""
-        code = self.lib.vs_pair_prefetch()
-        return next(name for name, c in PREFETCH_CODES.items() if c == code)
+        return _level_name(self.lib.vs_pair_prefetch(), PREFETCH_CODES)
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of every row of x (float32 [N, W], rows contiguous, W >= heads
@@ -176,6 +174,11 @@ def _at_level(set_level: Callable[[int], int], codes: dict[str, int], what: str,
         yield
     finally:
         set_level(was)
+
+
+def _level_name(code: int, codes: dict[str, int]) -> str:
+    """The name of the level the C side reports in force."""
+    return next(name for name, c in codes.items() if c == code)
 
 
 def where_to(level: str) -> str:

@@ -104,14 +104,6 @@ LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 HEAD_SHAPE = (49152, 576)
 
 
-def forward_bytes(library: Any) -> int:
-    """The bytes `forward_weights` streams (without making them)."""
-    def size(kind: str, n: int, k: int) -> int:
-        return -(-n // 8) * (k // 32) * library.lib.vs_tile_bytes(KINDS[kind])
-
-    return FORWARD_LAYERS * sum(size("Q4_1", n, k) for n, k in LAYER_SHAPES) + size("Q8_0", *HEAD_SHAPE)
-
-
 def forward_weights(library: Any) -> Weights:
     """(tiles, kind, N, K) of every weight of one default-model forward, in order: distinct memory, so they stream
     from memory as a forward's do; the levels differ only there (from a cache every level is alike). Filled with

@@ -11,12 +11,14 @@ Per slot, two counters:
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
+
+from verispec.kernels.cpu import memory_available
 
 
 def zeroed(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -27,13 +29,26 @@ def zeroed(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str)
     layout puts the heads' spans megabytes apart). Zero bits are 0.0 in every float format."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, n)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         pages.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(*shape)  # keeps `pages` alive
+
+
+def check_fits(nbytes: int, device: torch.device | str, how: str) -> None:
+    """A CPU cache of `nbytes` larger than the memory the machine has available fails here, naming `how` it was
+    sized, not later: its pages are only taken as positions are written (`zeroed`), so such a cache would start,
+    then be killed for memory under load."""
+    if torch.device(device).type != "cpu":
+        return
+    available = memory_available()
+    if available is not None and nbytes > available:
+        raise ValueError(f"the KV cache needs {nbytes / 2**30:.2f} GiB ({how}) but this machine has "
+                         f"{available / 2**30:.2f} GiB available: lower kv_cache_memory_bytes, max_model_len or "
+                         f"max_num_seqs")
 
 
 def rows_move(rows: Sequence[int], pending: int) -> bool:
