@@ -379,3 +379,28 @@ def test_packing_in_pieces_equals_packing_whole(kind: str, monkeypatch) -> None:
     whole = q8act.tile_rows(raw, kind) if kind in q8act.BLOCK_BYTES else kquant.pack(raw, kind)
     monkeypatch.setattr(q8act, "PACK_ROWS", 64)
     assert np.array_equal(q8act.pack_rows(raw, kind), whole)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+def test_pieces_are_bounded_by_weights_not_only_rows(kind: str, monkeypatch) -> None:
+    """A piece holds at most PACK_VALUES weights (decoding holds several bytes per weight): long rows come in fewer
+    rows per piece, each piece a multiple of 8 rows, and the tiles still equal the whole's."""
+    from verispec.kernels import q8act
+
+    elems = 256 if kind in kquant.FILE_BLOCKS else 32
+    width = 4 * elems  # weights per row
+    raw = (random_blocks(kind, 203, width, seed=5) if kind not in q8act.BLOCK_BYTES else
+           np.random.default_rng(5).integers(0, 256, (203, 4 * q8act.BLOCK_BYTES[kind]), dtype=np.uint8))
+    whole = q8act.tile_rows(raw, kind) if kind in q8act.BLOCK_BYTES else kquant.pack(raw, kind)
+
+    class Source:  # a RowSource that records the pieces asked for
+        shape, ndim, asked = raw.shape, 2, []
+
+        def rows(self, lo: int, hi: int) -> np.ndarray:
+            self.asked.append(hi - lo)
+            return raw[lo:hi]
+
+    monkeypatch.setattr(q8act, "PACK_VALUES", 20 * width)  # 20 rows' weights: pieces of 16 rows
+    src = Source()
+    assert np.array_equal(q8act.pack_rows(src, kind), whole)
+    assert max(src.asked) == 16 and sum(src.asked) == 203 and all(n % 8 == 0 for n in src.asked[:-1])

@@ -26,6 +26,7 @@ from verispec.sampling.logprobs import vllm_logprobs
 from verispec.engine.profile import profile_costs, profile_step_costs
 from verispec.sampling import SamplingParams
 from verispec.sampling.processor import ProcessorFactory
+from verispec.kernels.cpu import release_freed_memory
 from verispec.kernels.threads import release_openmp_threads
 from verispec.state.kv_cache import check_fits
 from verispec.execution.verify import AcceptanceConfig
@@ -94,6 +95,10 @@ class LLM:
         # pairs of float32 would be 64 MiB)
         self.max_model_len = min(args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP),
                                  cfg.max_position_embeddings)
+        # the tokenizer before the weights: the JSON its load parses and frees is handed back first, so the peak RSS
+        # does not carry it on top of the weights (a 1.5B Q4_K_M: docs/results/shapes.md)
+        self.tokenizer = load_tokenizer(self.resolved)
+        release_freed_memory()
         self.model, _ = load_model(self.resolved, dtype=self.dtype, device=self.device, max_len=self.max_model_len,
                                    progress=args.progress, quantization=self.quantization)
         self.model.kv_cache_dtype = None if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
@@ -103,7 +108,6 @@ class LLM:
         if self.stream_choice is not None:
             _say(self.stream_choice.describe(), args.progress)
         self._set_invariance(args.invariant)
-        self.tokenizer = load_tokenizer(self.resolved)
         self.max_num_seqs = args.max_num_seqs
         self.scheduler = args.scheduler
         self.max_num_batched_tokens = args.max_num_batched_tokens
@@ -146,6 +150,7 @@ class LLM:
         (execution/invariance.py); None turns it on where the linears pass, True requires it, False turns it off
         (blocked attention: cheaper verify blocks, identity up to near-ties)."""
         self.linear_invariance = linears_row_invariant(self.model)
+        release_freed_memory()  # the check's products, tens of MB at a large vocabulary's head
         measured = all(self.linear_invariance.values())
         if invariant and not measured:
             bad = ", ".join(n for n, ok in self.linear_invariance.items() if not ok)

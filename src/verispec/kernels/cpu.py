@@ -5,6 +5,8 @@ torch's own kernels were dispatched for), and what verispec's own kernels are bu
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 import platform
@@ -68,3 +70,23 @@ def memory_available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library, or none found)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc). Loading frees large scratch (a layer's file bytes and
+    decoding intermediates, the tokenizer's parsed JSON, the invariance check's products), which glibc keeps in
+    the heap once its mmap threshold has grown past their size: without a trim the next step's memory comes on top
+    of them and the process's peak RSS carries them (docs/results/shapes.md)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

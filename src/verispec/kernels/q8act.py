@@ -51,7 +51,9 @@ def tile_rows(raw: np.ndarray, kind: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([*lead, quants], -1))
 
 
-PACK_ROWS = 8192  # rows repacked at a time: a 150k-row head's intermediates stay tens of MB, not its whole size
+PACK_ROWS = 8192  # rows repacked at a time at most: a 150k-row head's intermediates stay tens of MB, not its size
+PACK_VALUES = 1 << 21  # and weights at a time at most: decoding holds several bytes per weight (a K-quant's values,
+# scales and masks), so 8,192 rows of 1,536 took about 100 MB above the tiles while a 1.5B model's head was packed
 
 
 class RowSource(Protocol):
@@ -69,18 +71,21 @@ def _rows(raw: np.ndarray | torch.Tensor | RowSource, lo: int, hi: int) -> np.nd
 
 
 def pack_rows(raw: np.ndarray | RowSource, kind: str) -> np.ndarray:
-    """`tile_rows` (Q4_0, Q4_1, Q8_0) or `kquant.pack` (the others) of raw [N, row bytes], PACK_ROWS rows at a
-    time into one array: each group of 8 rows packs alone, so the pieces are the whole's slices, and the decoding's
-    intermediates are a piece's size, not the weight's."""
+    """`tile_rows` (Q4_0, Q4_1, Q8_0) or `kquant.pack` (the others) of raw [N, row bytes], a piece of rows at a
+    time (a multiple of 8, bounded by PACK_ROWS and PACK_VALUES) into one array: each group of 8 rows packs
+    alone, so the pieces are the whole's slices, and the decoding's intermediates are a piece's size, not the
+    weight's."""
     one = tile_rows if kind in BLOCK_BYTES else kquant.pack
     n = raw.shape[0]
-    if n <= PACK_ROWS:
+    elems, size = FILE_BLOCKS[kind]
+    step = min(PACK_ROWS, max(ROWS, PACK_VALUES // (raw.shape[1] // size * elems) // ROWS * ROWS))
+    if n <= step:
         return one(_rows(raw, 0, n), kind)
-    first = one(_rows(raw, 0, PACK_ROWS), kind)
+    first = one(_rows(raw, 0, step), kind)
     out = np.empty((-(-n // ROWS), *first.shape[1:]), np.uint8)
-    out[: PACK_ROWS // ROWS] = first
-    for lo in range(PACK_ROWS, n, PACK_ROWS):
-        piece = one(_rows(raw, lo, min(n, lo + PACK_ROWS)), kind)
+    out[: step // ROWS] = first
+    for lo in range(step, n, step):
+        piece = one(_rows(raw, lo, min(n, lo + step)), kind)
         out[lo // ROWS : lo // ROWS + piece.shape[0]] = piece
     return out
 

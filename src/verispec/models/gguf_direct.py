@@ -20,9 +20,6 @@ the loader takes the dense path, saying why on stderr.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 import sys
 from itertools import chain
@@ -34,6 +31,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from verispec.config import ModelConfig
+from verispec.kernels.cpu import release_freed_memory
 from verispec.models.gguf_blocks import KERNEL_FORMATS
 from verispec.models.gguf_embedding import GGUFEmbedding
 from verispec.models.gguf_index import GGUFIndex
@@ -80,25 +78,6 @@ def load_q8act_direct(gguf_path: str | os.PathLike, cfg: ModelConfig, dtype: tor
     net.rope_sin = net.rope_sin.to(dtype).float()
     finish_q8act(net)
     return net.eval()
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None (another C library, or none found)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc): repacking a layer frees its file bytes and decoding
-    scratch (tens of MB), which glibc keeps in the heap once its mmap threshold has grown past their size, so the
-    process's peak RSS would carry them on top of the tiles (a 1.5B Q4_K_M: 16 MiB lower peak with a trim per layer)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def dense_tensor(reader: GGUFIndex, name: str, dtype: torch.dtype, heads: int | None = None) -> torch.Tensor:
