@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts
+from verispec.engine.acceptance import AcceptanceEstimator
+
+from verispec.engine.costs import CostTable, MeasuredStepCosts, StepCosts
 from verispec.engine.draft_timing import DraftTiming
 from verispec.engine.scheduler import Candidate, DSparkPolicy
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from verispec.drafters.base import Draft
-from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts, expected_tokens
+from verispec.engine.acceptance import AcceptanceEstimator, expected_tokens
+from verispec.engine.costs import CostTable, MeasuredStepCosts, StepCosts
 from verispec.engine.draft_timing import DraftTiming
 from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy
 

@@ -585,7 +585,7 @@ def test_the_engine_gives_its_probe_share_to_every_request_estimator(tiny):
     default 2%, or the share given."""
     import dataclasses
 
-    from verispec.engine.costs import PROBE_SHARE
+    from verispec.engine.acceptance import PROBE_SHARE
     from verispec.state.request import Request
 
     llm = LLM(tiny["llama"][0], dtype="float32", device="cpu", max_model_len=64, max_num_seqs=1,

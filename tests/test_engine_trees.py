@@ -138,7 +138,7 @@ def test_auto_shape_drafts_the_shape_that_commits_more(tiny_dir, hf, monkeypatch
 def test_prefer_tree_is_committed_tokens_per_second():
     """Closed form: (1 + sum of the i.i.d. survivals a^j, j = 1..n) / (step with n rows + n x drafting cost per
     token), with n = k for the tree and the chain's own length for the chain."""
-    from verispec.engine.costs import AcceptanceEstimator, prefer_tree
+    from verispec.engine.acceptance import AcceptanceEstimator, prefer_tree
 
     def est(a, cost):
         e = AcceptanceEstimator(prior=a)
@@ -171,7 +171,7 @@ def test_auto_prices_a_chain_at_its_measured_proposal_length():
     """`LiveRequest.choose_shape` takes the chain's length from the lengths its proposals measured: after chain
     proposals of one token (a drafter that stops itself) the chain is priced at one row, and auto keeps it where
     pricing it at k rows would have sent the request to trees."""
-    from verispec.engine.costs import AcceptanceEstimator
+    from verispec.engine.acceptance import AcceptanceEstimator
     from verispec.engine.plan import LiveRequest
     from verispec.sampling import SamplingParams
     from verispec.state.request import Request
@@ -193,7 +193,7 @@ def test_auto_compares_what_each_shape_did_once_both_are_measured():
     per step over the step's time at the measured rows (interpolated between whole rows) plus the drafting time per
     step, all EMAs (closed form below); a step whose draft was cut to nothing counts (one token, no rows, its
     drafting time). Before that, the estimates decide."""
-    from verispec.engine.costs import SHAPE_MEASURED, AcceptanceEstimator, ShapeRecord, prefer_tree
+    from verispec.engine.acceptance import SHAPE_MEASURED, AcceptanceEstimator, ShapeRecord, prefer_tree
 
     rows = lambda n: 0.004 + 0.0012 * n  # noqa: E731
     chain, tree = AcceptanceEstimator(prior=0.5), AcceptanceEstimator(prior=0.8)  # the estimates favour the tree
@@ -228,7 +228,7 @@ def test_a_tree_step_leaves_what_the_chains_say_of_their_confidences():
     drafter without them (the policy would then drop the chain's early stop and verify-time admission). A chain
     that comes without confidences still says so."""
     from verispec.drafters.base import Draft
-    from verispec.engine.costs import AcceptanceEstimator
+    from verispec.engine.acceptance import AcceptanceEstimator
     from verispec.engine.plan import LiveRequest
     from verispec.models.tree import TreeDraft
     from verispec.state.request import Request
@@ -256,7 +256,7 @@ def test_the_tree_estimate_starts_from_the_drafting_time_chains_measured():
     measured, not from an unknown time priced as free: a drafter dear against the step (4 ms a token, 10 ms steps)
     is not sent to trees on its first choice by a price of zero (at equal acceptance a tie keeps the chain)."""
     from verispec import SamplingParams
-    from verispec.engine.costs import AcceptanceEstimator
+    from verispec.engine.acceptance import AcceptanceEstimator
     from verispec.engine.plan import LiveRequest
     from verispec.state.request import Request
 

@@ -11,7 +11,7 @@ from verispec.bench.single import method_spec
 from verispec.config import SpeculativeConfig
 from verispec.drafters.base import Draft
 from verispec.drafters.hybrid import HybridDrafter
-from verispec.engine.costs import AcceptanceEstimator
+from verispec.engine.acceptance import AcceptanceEstimator
 from verispec.engine.plan import LiveRequest, Side
 from verispec.sampling import SamplingParams
 from verispec.state.request import Request

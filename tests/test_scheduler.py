@@ -9,7 +9,8 @@ import pytest
 
 from verispec.drafters.base import Draft
 from verispec.engine.scheduler import Candidate, DSparkPolicy, GoodputPolicy, StaticPolicy, admit_prefixes, make_policy
-from verispec.engine.costs import AcceptanceEstimator, CostTable, MeasuredStepCosts, StepCosts
+from verispec.engine.acceptance import AcceptanceEstimator
+from verispec.engine.costs import CostTable, MeasuredStepCosts, StepCosts
 
 
 def theta(lengths, survivals, costs, base):

@@ -201,7 +201,7 @@ class SpeculativeConfig:
     threshold_acc: float = 1.0
     # verify a token tree of up to num_speculative_tokens nodes per step instead of a chain (SGLang's
     # speculative_num_draft_tokens); the TREE_METHODS drafters propose trees so far, with the exact rule.
-    # "auto": per request and step, the shape expected to commit more tokens per second (engine/costs.py's prefer_tree)
+    # "auto": per request and step, the shape expected to commit more tokens per second (engine/acceptance.py's prefer_tree)
     draft_tree: bool | str = False
     # a model-free drafter (ngram or suffix) drafting first each step, the method's model drafter where the policy
     # verifies none of the model-free draft (drafters/hybrid.py; each side with its own acceptance estimate)

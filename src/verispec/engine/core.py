@@ -26,7 +26,7 @@ from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import Drafter, needs_features
 from verispec.engine.admission import RequestTooLong, admission_blocks, check_room, step_blocks
-from verispec.engine.costs import PROBE_SHARE, AcceptanceEstimator
+from verispec.engine.acceptance import PROBE_SHARE, AcceptanceEstimator
 from verispec.engine.counters import SpecCounters, StepClock, StepTiming
 from verispec.engine import constrain
 from verispec.engine.draft_timing import DraftTiming

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from verispec.drafters.base import EMPTY, Draft
 from verispec.drafters.hybrid import HybridDrafter
-from verispec.engine.costs import AcceptanceEstimator, ShapeRecord, prefer_tree
+from verispec.engine.acceptance import AcceptanceEstimator, ShapeRecord, prefer_tree
 from verispec.engine.draft_timing import DraftTiming
 from verispec.state.request import Request
 

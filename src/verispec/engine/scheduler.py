@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from verispec.engine.costs import AcceptanceEstimator, MeasuredStepCosts, StepCosts
+from verispec.engine.acceptance import AcceptanceEstimator
+
+from verispec.engine.costs import MeasuredStepCosts, StepCosts
 
 
 @dataclass(frozen=True)
