@@ -70,6 +70,7 @@ class PathChoice:
             out["kernel_body"] = lib.body
             if lib.prefetch_choice:  # where its pair streams were fetched ahead to (measured at load; the level in
                 out["kernel_prefetch"] = lib.prefetch_now()  # force: the machine's or the loaded model's)
+                out["kernel_pair_rows"] = lib.lib.vs_set_pair_rows(0)  # from how many rows on (the threshold in force)
             if lib.row_prefetch_choice:  # and its streams of fewer rows
                 out["kernel_row_prefetch"] = lib.row_prefetch_now()
         return out
