@@ -4,8 +4,9 @@ choice is speed only, timed on this machine and said in every report (`Library.d
 
 - The body: the vector bodies built here timed on the default model's layer shapes at one and eight rows
   (`choose_body`, or `VERISPEC_CPU_BODY`).
-- The AVX-512 body's pair streams (5 rows and more): L1, L2 or non-temporally, whichever is faster on the linears
-  of one forward streamed from memory (`choose_prefetch`, or `VERISPEC_CPU_PREFETCH`).
+- The AVX-512 body's pair streams (5 rows and more by the build; a loaded model's own forwards may start them
+  earlier, execution/stream_choice.py): L1, L2 or non-temporally, whichever is faster on the linears of one
+  forward streamed from memory (`choose_prefetch`, or `VERISPEC_CPU_PREFETCH`).
 - The single-tile streams of fewer rows (both vector bodies): L1, L2 or non-temporally, whichever makes a
   one-row forward and the small work a step does after it faster (`choose_row_prefetch`, or
   `VERISPEC_CPU_ROW_PREFETCH`); timed again on a loaded model's own one-row forwards where its weights reach 32
