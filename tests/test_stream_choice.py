@@ -122,6 +122,10 @@ def test_a_models_pair_threshold_is_timed_set_kept_and_named(model, tmp_path, mo
     monkeypatch.setenv(PAIR_ENV, "2")
     named = choose_model_streams(model, cache=tmp_path, min_bytes=0)
     assert (named.pair_rows, LIB.lib.vs_set_pair_rows(0)) == (2, 2) and PAIR_ENV in named.pair_why
+    monkeypatch.setenv(PAIR_ENV, "two")
+    with pytest.raises(ValueError, match="VERISPEC_CPU_PAIR_ROWS=two: expected a row count"):
+        choose_model_streams(model, cache=tmp_path, min_bytes=0)
+    monkeypatch.setenv(PAIR_ENV, "2")
     assert "two tiles per vector from 2 rows on" in named.describe()
     from verispec.execution.autotune import PathChoice
     from verispec.execution.paths import PATHS

@@ -146,6 +146,8 @@ def choose_pair_rows(library, one_pass, repeats: int, cache: Path | None, scope:
 
     file = None if cache is None else cache / "kernels" / f"pair-rows-{_prefetch_key()}-{scope}.json"
     if asked := os.environ.get(PAIR_ENV):
+        if not asked.isdigit() or int(asked) < 1:
+            raise ValueError(f"{PAIR_ENV}={asked}: expected a row count of 1 or more")
         rows, why = int(asked), f"{PAIR_ENV}={asked}"
     elif file is not None and file.exists():
         kept = json.loads(file.read_text())
