@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from verispec.check.state import check_kv
-from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, LEARNED_METHODS, ModelConfig, SpeculativeConfig
+from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, ModelConfig, SpeculativeConfig
 from verispec.drafters import DrafterFactory
 from verispec.drafters.base import needs_features
 from verispec.execution.features import target_features
@@ -167,7 +167,10 @@ class LLM:
     def _parse_speculation(self, speculative_config: Mapping[str, Any] | SpeculativeConfig | None
                            ) -> SpeculativeConfig:
         """The one place a speculative_config is parsed (after the shipped drafter is filled in)."""
-        return SpeculativeConfig.from_dict(self._with_shipped_drafter(speculative_config))
+        from verispec.drafters.shipped import fill_drafter
+
+        return SpeculativeConfig.from_dict(fill_drafter(speculative_config, self.known_model_name, self.resolved.name,
+                                                        self.resolved.directory))
 
     def _set_speculation(self, spec: SpeculativeConfig) -> None:
         self.spec = spec
@@ -177,35 +180,10 @@ class LLM:
         self.drafters = DrafterFactory(self.spec, self.model, self.tokenizer, self.max_model_len, self.max_num_seqs)
         self._engine = None
 
-    def _with_shipped_drafter(self, spec: Any) -> Any:
-        """A learned method (eagle3 / dflash / dspark) given without a drafter gets the shipped drafter trained for
-        this target; for any other target that is an error asking for --draft-model. mtp reads the target's own
-        checkpoint."""
-        if isinstance(spec, Mapping) and spec.get("method") == "mtp" and not spec.get("model"):
-            return {**spec, "model": str(self.resolved.directory)}  # the target's own MTP layers
-        if not isinstance(spec, Mapping) or spec.get("method") not in LEARNED_METHODS or spec.get("model"):
-            return spec
-        from verispec.drafters.shipped import shipped_card, shipped_for, shipped_names
-
-        method = spec["method"]
-        target = self.known_model_name
-        name = shipped_for(method, target) if target is not None else None
-        if name is None:
-            shipped = [f"{n} (for {shipped_card(n)[1]})" for n in shipped_names() if shipped_card(n)[0] == method]
-            raise ValueError(
-                f"method {method} needs a trained drafter, and none is shipped for {self.resolved.name}: pass its "
-                f"checkpoint directory with --draft-model DIR (speculative_config['model']); train one with "
-                f"`verispec train`. Shipped {method} drafters: {', '.join(shipped) or '(none)'}")
-        return {**spec, "model": name}
-
     @property
     def known_model_name(self) -> str | None:
         """The registry name (models/hub.py) of the target, when it is a known model (by name, alias or file)."""
-        known = hub.lookup_known(self.resolved.name)
-        if known is None and self.resolved.gguf is not None:
-            gguf = self.resolved.gguf.resolve()
-            known = next((m for m in hub.REGISTRY.values() if hub.model_path(m).resolve() == gguf), None)
-        return known.name if known is not None else None
+        return hub.known_name(self.resolved.name, self.resolved.gguf)
 
     def with_speculation(self, speculative_config: dict[str, Any] | SpeculativeConfig | None,
                          check_state: bool | None = None) -> "LLM":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from verispec.config import LEARNED_METHODS
 
@@ -49,3 +51,23 @@ def shipped_for(method: str, target: str) -> str | None:
         if m == method and t.lower() == target.lower():
             return name
     return None
+
+
+def fill_drafter(spec: Any, target: str | None, label: str, target_dir: Path) -> Any:
+    """A speculative_config with its drafter filled in: a learned method (eagle3 / dflash / dspark) given without
+    one gets the drafter shipped for `target` (the target's registry name; None for a model outside the registry,
+    which is then an error asking for --draft-model, `label` naming the target); mtp reads the target's own
+    checkpoint in `target_dir`. Anything else comes back as it was."""
+    if isinstance(spec, Mapping) and spec.get("method") == "mtp" and not spec.get("model"):
+        return {**spec, "model": str(target_dir)}  # the target's own MTP layers
+    if not isinstance(spec, Mapping) or spec.get("method") not in LEARNED_METHODS or spec.get("model"):
+        return spec
+    method = spec["method"]
+    name = shipped_for(method, target) if target is not None else None
+    if name is None:
+        shipped = [f"{n} (for {shipped_card(n)[1]})" for n in shipped_names() if shipped_card(n)[0] == method]
+        raise ValueError(
+            f"method {method} needs a trained drafter, and none is shipped for {label}: pass its checkpoint "
+            f"directory with --draft-model DIR (speculative_config['model']); train one with `verispec train`. "
+            f"Shipped {method} drafters: {', '.join(shipped) or '(none)'}")
+    return {**spec, "model": name}

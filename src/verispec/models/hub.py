@@ -68,6 +68,15 @@ def lookup_known(name: str) -> KnownModel | None:
     return next((m for n, m in REGISTRY.items() if n.lower() == key), None)
 
 
+def known_name(name: str, gguf: Path | None = None) -> str | None:
+    """The registry name of a model given as `name` (a name or alias) or as the GGUF file `gguf`, else None."""
+    known = lookup_known(name)
+    if known is None and gguf is not None:
+        target = gguf.resolve()
+        known = next((m for m in REGISTRY.values() if model_path(m).resolve() == target), None)
+    return known.name if known is not None else None
+
+
 def model_path(model: KnownModel) -> Path:
     """Cache location of ``model``'s GGUF file (whether or not it exists)."""
     return cache_dir() / "models" / model.name / model.filename
