@@ -58,7 +58,7 @@ def main() -> None:
     llm = LLM(progress=False)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     llm.chat([{"role": "user", "content": "Hi"}], sp, use_tqdm=False)  # warm-up
-    costs = StepCosts(profile_costs(llm.model, tuple(range(1, args.k + 2))))
+    costs = StepCosts(profile_costs(llm.model, tuple(range(1, args.k + 2)), repeats=25))
     print("step costs (ms, after 128 tokens): " + ", ".join(f"M={m} {1e3 * costs(m):.2f}"
                                                            for m in range(1, args.k + 2)))
     rows = []
