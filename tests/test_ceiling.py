@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from verispec.bench.ceiling import copy_run, copy_steps, decode_ceiling, end_to_end_ceiling, lookup_run
+from verispec.bench.ceiling import (copy_run, copy_steps, decode_ceiling, drafter_run, end_to_end_ceiling,
+                                    lookup_run)
 from verispec.drafters.ngram import NgramDrafter
 
 
@@ -57,6 +58,7 @@ def test_no_copying_drafter_needs_fewer_steps_than_the_ceiling(seed: int) -> Non
         run = matched(drafter.propose(prompt + output[:i], k).tokens, output[i : len(output) - 1])
         i, steps = i + run + 1, steps + 1
     assert steps >= len(copy_steps(prompt, output, k))
+    assert len(copy_steps(prompt, output, k, drafter_run(NgramDrafter()))) == steps  # the studies' walk of it
 
 
 def test_decode_and_end_to_end_ceilings_follow_their_closed_forms() -> None:

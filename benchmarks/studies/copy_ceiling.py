@@ -28,23 +28,11 @@ import math
 import statistics
 
 from verispec import LLM, SamplingParams
-from verispec.bench.ceiling import copy_steps, decode_ceiling, end_to_end_ceiling, lookup_run
+from verispec.bench.ceiling import copy_steps, decode_ceiling, drafter_run, end_to_end_ceiling, lookup_run
 from verispec.bench.spec_bench import load_spec_bench
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine.costs import StepCosts
 from verispec.engine.profile import profile_costs
-
-
-def ngram_runs(prompt: list[int], output: list[int], k: int) -> list[int]:
-    """The accepted length of each step of the shipped n-gram drafter with every draft verified (no scheduler)."""
-    drafter, i, runs = NgramDrafter(), 0, []
-    while i < len(output):
-        draft = drafter.propose(prompt + output[:i], k).tokens
-        run = 0
-        while run < len(draft) and i + run < len(output) - 1 and draft[run] == output[i + run]:
-            run += 1
-        i, runs = i + run + 1, runs + [run]
-    return runs
 
 
 def main() -> None:
@@ -76,7 +64,7 @@ def main() -> None:
             runs = copy_steps(prompt + output[:1], output[1:], args.k)  # the first token: prefill, in every arm
             runs_all += runs
             tokens, prompt_tokens = tokens + len(output) - 1, prompt_tokens + len(prompt)
-            ngram_all += ngram_runs(prompt + output[:1], output[1:], args.k)
+            ngram_all += copy_steps(prompt + output[:1], output[1:], args.k, drafter_run(NgramDrafter()))
             lookup_all += copy_steps(prompt + output[:1], output[1:], args.k, lookup_run)
         speeds = [decode_ceiling(r, costs) for r in (ngram_all, lookup_all, runs_all)]
         rows.append((cat, prompt_tokens / len(prompts), first / (first + dec),

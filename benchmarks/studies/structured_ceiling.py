@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from verispec import LLM, SamplingParams
-from verispec.bench.ceiling import copy_run, decode_ceiling
+from verispec.bench.ceiling import copy_run, decode_ceiling, drafter_run, matched
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine.costs import StepCosts
 from verispec.engine.profile import profile_costs
@@ -45,7 +45,7 @@ def steps(matcher, seq: list[int], start: int, k: int, chain: Chain) -> list[int
         room, run = min(k, len(seq) - i - 1), 0
         while run < room:
             forced = matcher.forced_after(seq[i : i + run], room - run) if run else matcher.forced(room - run)
-            n = next((j for j, t in enumerate(forced) if t != seq[i + run + j]), len(forced))
+            n = matched(forced, seq, i + run)
             if n == 0:
                 n = chain(seq, i + run, room - run)
                 if n == 0:
@@ -59,15 +59,6 @@ def steps(matcher, seq: list[int], start: int, k: int, chain: Chain) -> list[int
     return runs
 
 
-def ngram_chain(prompt_len: int) -> Chain:
-    drafter = NgramDrafter()
-
-    def chain(seq: list[int], i: int, room: int) -> int:
-        draft = drafter.propose(seq[:i], room).tokens
-        return next((j for j, t in enumerate(draft) if t != seq[i + j]), len(draft))
-    return chain
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=len(CASES))
@@ -78,10 +69,10 @@ def main() -> None:
     llm = LLM(progress=False)
     costs = StepCosts(profile_costs(llm.model, tuple(range(1, args.k + 2)), repeats=args.profile_repeats))
     print("step costs (ms after 128 tokens): " + ", ".join(f"M={m} {1e3 * costs(m):.2f}" for m in range(1, args.k + 2)))
-    chains: dict[str, Callable[[int], Chain]] = {
-        "forced tokens only": lambda p: (lambda seq, i, room: 0),
-        "forced + n-gram": ngram_chain,
-        "forced + copy ceiling": lambda p: (lambda seq, i, room: copy_run(seq, i, room)),
+    chains: dict[str, Callable[[], Chain]] = {  # a chain per answer (n-gram keeps an index of its context)
+        "forced tokens only": lambda: (lambda seq, i, room: 0),
+        "forced + n-gram": lambda: drafter_run(NgramDrafter()),
+        "forced + copy ceiling": lambda: copy_run,
     }
     runs: dict[str, list[int]] = {name: [] for name in chains}
     for case in CASES[: args.limit]:
@@ -93,7 +84,7 @@ def main() -> None:
         for name, make in chains.items():
             matcher = llm.processors.compiler.matcher(StructuredOutputsParams.from_any(spec))
             matcher.commit(answer[:1])
-            runs[name] += steps(matcher, prompt + answer, len(prompt) + 1, args.k, make(len(prompt)))
+            runs[name] += steps(matcher, prompt + answer, len(prompt) + 1, args.k, make())
     print(f"\n{args.limit} pairs, k = {args.k}, greedy; a scheduler that knew each step's run, drafting and masks "
           f"free\n\n| drafting | tau | decode speedup over plain constrained |\n|---|---|---|")
     for name, r in runs.items():

@@ -32,6 +32,17 @@ def copy_run(seq: Sequence[int], i: int, k: int) -> int:
     return best
 
 
+def matched(draft: Sequence[int], seq: Sequence[int], i: int) -> int:
+    """How many leading `draft` tokens equal seq[i:] (greedy verification's accepted count)."""
+    return next((j for j, t in enumerate(draft) if i + j >= len(seq) or t != seq[i + j]), len(draft))
+
+
+def drafter_run(drafter) -> Callable[[Sequence[int], int, int], int]:
+    """A run function (as `copy_run`) of a drafter's own proposals: `drafter.propose(seq[:i], k)` matched
+    against seq[i:]. One drafter per request: it keeps an index of the context it has seen."""
+    return lambda seq, i, k: matched(drafter.propose(seq[:i], k).tokens, seq, i)
+
+
 def lookup_run(seq: Sequence[int], i: int, k: int, n_max: int = 4, n_min: int = 1) -> int:
     """The longest run (as `copy_run`) among the continuations of every earlier occurrence of the longest tail
     n-gram that occurred before (n = n_max .. n_min, the occurrence ending before i): what prompt lookup reaches when
